@@ -1,0 +1,21 @@
+"""keyserial: serialize async work per key.
+
+Calls with the same key run one at a time in registration order; calls with
+different keys run concurrently. See :class:`KeyedSerialQueue` and
+:func:`serialized`.
+"""
+
+from ._decorator import SerialQueue, serialized
+from ._default import default_queue
+from ._errors import QueueClosed, QueueFull
+from ._queue import KeyedSerialQueue
+
+__all__ = [
+    "KeyedSerialQueue",
+    "QueueClosed",
+    "QueueFull",
+    "SerialQueue",
+    "default_queue",
+    "serialized",
+]
+__version__ = "0.1.0"

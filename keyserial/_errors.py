@@ -1,0 +1,44 @@
+"""Exceptions raised by keyserial queues."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+
+class QueueClosed(RuntimeError):
+    """Raised when work is registered on a queue that has been closed with ``aclose()``.
+
+    Work that was registered before the queue closed still runs; only new
+    ``run``, ``submit`` and ``lock`` calls are refused.
+
+    Example:
+        >>> import asyncio
+        >>> from keyserial import KeyedSerialQueue, QueueClosed
+        >>> async def main() -> str:
+        ...     queue = KeyedSerialQueue()
+        ...     await queue.aclose()
+        ...     try:
+        ...         async with queue.lock("k"):
+        ...             return "ran"
+        ...     except QueueClosed:
+        ...         return "refused"
+        >>> asyncio.run(main())
+        'refused'
+    """
+
+
+class QueueFull(RuntimeError):
+    """Raised when a call would push a key's pending count above ``max_pending``.
+
+    The refused call never starts and leaves no trace in the queue.
+    ``key`` and ``max_pending`` name what was full.
+
+    Example:
+        >>> QueueFull("seg-1", 10).key
+        'seg-1'
+    """
+
+    def __init__(self, key: Hashable, max_pending: int) -> None:
+        super().__init__(f"key {key!r} already has {max_pending} pending calls (max_pending)")
+        self.key = key
+        self.max_pending = max_pending

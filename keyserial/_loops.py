@@ -1,0 +1,28 @@
+"""Fast access to the running event loop's current task.
+
+``asyncio.current_task()`` is implemented in C from Python 3.12 on. On 3.10
+and 3.11 it is a Python function that looks the running loop up again and
+then reads a module-level dict; since the queue already holds the loop, it
+reads that dict directly, which is what ``current_task(loop)`` does there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+from typing import Any
+
+TaskOf = Callable[[asyncio.AbstractEventLoop], "asyncio.Task[Any] | None"]
+
+
+def _select_task_of() -> TaskOf:
+    if sys.version_info < (3, 12):
+        current_tasks = getattr(asyncio.tasks, "_current_tasks", None)
+        if isinstance(current_tasks, dict):
+            return current_tasks.get
+    return asyncio.current_task
+
+
+task_of: TaskOf = _select_task_of()
+get_running_loop = asyncio.get_running_loop
