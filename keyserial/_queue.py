@@ -168,8 +168,13 @@ class KeyedSerialQueue:
 
     def _register(
         self, part: _Partition, key: Hashable, holder: Task | _KeyState, owner: object
-    ) -> tuple[_KeyState, asyncio.Future[bool]] | None:
-        """Queue ``owner`` behind the busy ``key``; ``None`` if ``owner`` holds it (re-entry)."""
+    ) -> tuple[_KeyState, asyncio.Future[bool] | None] | None:
+        """Register ``owner`` on the busy ``key``.
+
+        Returns ``None`` if ``owner`` already holds the turn (re-entry), else the
+        key's state and the future to wait on, or ``None`` in its place when the
+        turn is free (only dead waiters, not yet resumed, kept the state alive).
+        """
         if type(holder) is _KeyState:
             state = holder
             if state.holder is owner:
@@ -182,9 +187,12 @@ class KeyedSerialQueue:
             raise QueueClosed(f"queue is closed; cannot register key {key!r}")
         if self._max_pending is not None and state.pending >= self._max_pending:
             raise QueueFull(key, self._max_pending)
+        state.pending += 1
+        if state.holder is None:
+            state.holder = _GRANTED if owner is _NEW_TASK else owner
+            return state, None
         waiter: asyncio.Future[bool] = part.loop.create_future()  # type: ignore[union-attr]
         state.waiters.append(waiter)
-        state.pending += 1
         return state, waiter
 
     async def _await_turn(
@@ -213,6 +221,8 @@ class KeyedSerialQueue:
         self, part: _Partition, key: Hashable, state: _KeyState, waiter: asyncio.Future[bool] | None
     ) -> None:
         """A registered call gives up before running; ``waiter=None`` means it had the turn."""
+        if part.loop.is_closed():  # type: ignore[union-attr]
+            return  # a coroutine finalized after its loop closed: that share is gone
         if waiter is None or (waiter.done() and not waiter.cancelled() and waiter.result()):
             # The turn was handed over but its owner stopped before using it: pass it on.
             self._release(part, key, state)
@@ -227,6 +237,8 @@ class KeyedSerialQueue:
 
     def _release(self, part: _Partition, key: Hashable, state: _KeyState) -> None:
         """End the current turn of a contended key: hand it to the next live waiter, if any."""
+        if part.loop.is_closed():  # type: ignore[union-attr]
+            return  # a coroutine finalized after its loop closed: that share is gone
         state.pending -= 1
         waiters = state.waiters
         while waiters:
@@ -296,7 +308,9 @@ class KeyedSerialQueue:
             registered = self._register(part, key, holder, task)
             if registered is None:
                 return await fn(*args, **kwargs)
-            await self._await_turn(part, key, *registered, timeout)
+            state, waiter = registered
+            if waiter is not None:
+                await self._await_turn(part, key, state, waiter, timeout)
         try:
             # Unpacking an empty **kwargs costs measurably on this path.
             if kwargs:
@@ -581,7 +595,9 @@ class _KeyLock:
             registered = queue._register(part, key, holder, task)
             if registered is None:
                 return  # re-entry: the outer turn stays in charge of releasing
-            await queue._await_turn(part, key, *registered, self._timeout)
+            state, waiter = registered
+            if waiter is not None:
+                await queue._await_turn(part, key, state, waiter, self._timeout)
         self._part, self._task = part, task
 
     async def __aexit__(

@@ -1,0 +1,260 @@
+"""@serialized on functions, methods, classmethods and staticmethods."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import pickle
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from keyserial import KeyedSerialQueue, default_queue, serialized
+
+from . import serialized_targets as targets
+from .scheduling import settle
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_same_key_calls_of_different_functions_are_mutually_ordered() -> None:
+    log: list[str] = []
+    gate = asyncio.Event()
+
+    @serialized(key="seg_id")
+    async def save_partial(seg_id: str, text: str) -> None:
+        log.append(f"partial {seg_id} {text}")
+        await gate.wait()
+
+    @serialized(key=lambda seg_id, *a, **k: seg_id)
+    async def finalize(seg_id: str) -> None:
+        log.append(f"final {seg_id}")
+
+    tasks = [
+        asyncio.create_task(save_partial("a", "x")),
+        asyncio.create_task(finalize("a")),
+        asyncio.create_task(finalize("b")),
+    ]
+    await settle()
+    assert log == ["partial a x", "final b"]
+    assert default_queue().pending("a") == 2
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert log == ["partial a x", "final b", "final a"]
+    assert len(default_queue()) == 0
+
+
+async def test_key_by_name_from_positional_keyword_and_default() -> None:
+    queue = KeyedSerialQueue()
+    seen: list[object] = []
+
+    async def spy(*args: Any) -> None:
+        return None
+
+    class SpyQueue:
+        def call(
+            self,
+            key: object,
+            fn: Callable[..., Awaitable[Any]],
+            args: tuple[Any, ...],
+            kwargs: dict[str, Any],
+            timeout: float | None = None,
+        ) -> Any:
+            seen.append(key)
+            return queue.call(key, fn, args, kwargs, timeout)
+
+    @serialized(key="seg", queue=SpyQueue())
+    async def handler(prefix: str, seg: str = "default-seg", *, flag: bool = False) -> str:
+        return f"{prefix}{seg}{flag}"
+
+    assert await handler("p", "pos") == "pposFalse"
+    assert await handler("p", seg="kw") == "pkwFalse"
+    assert await handler("p") == "pdefault-segFalse"
+    assert await handler(prefix="p", seg="both", flag=True) == "pbothTrue"
+    assert seen == ["pos", "kw", "default-seg", "both"]
+
+
+async def test_key_by_keyword_only_and_positional_only_parameters() -> None:
+    @serialized(key="seg")
+    async def kwonly(*, seg: str) -> str:
+        return seg
+
+    @serialized(key="seg")
+    async def posonly(seg: str, /) -> str:
+        return seg
+
+    assert await kwonly(seg="a") == "a"
+    assert await posonly("b") == "b"
+
+
+async def test_key_none_shares_one_key_per_function() -> None:
+    log: list[str] = []
+    gate = asyncio.Event()
+
+    @serialized
+    async def one(name: str) -> None:
+        log.append(f"start {name}")
+        await gate.wait()
+
+    @serialized()
+    async def other(name: str) -> None:
+        log.append(f"other {name}")
+
+    tasks = [asyncio.create_task(one("a")), asyncio.create_task(one("b"))]
+    tasks.append(asyncio.create_task(other("c")))
+    await settle()
+    assert log == ["start a", "other c"]
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert log == ["start a", "other c", "start b"]
+
+
+async def test_methods_classmethods_and_staticmethods() -> None:
+    service = targets.Service("svc")
+    assert await service.method("s1") == "svc:s1"
+    assert await targets.Service.method(service, "s2") == "svc:s2"
+    for name in ("class_above", "class_below"):
+        assert await getattr(targets.Service, name)("s") == "Service:s"
+        assert await getattr(service, name)("s") == "Service:s"
+    for name in ("static_above", "static_below"):
+        assert await getattr(targets.Service, name)("s") == "static:s"
+        assert await getattr(service, name)("s") == "static:s"
+    assert len(targets.QUEUE) == 0
+
+
+async def test_method_key_function_receives_self() -> None:
+    seen: list[tuple[object, ...]] = []
+
+    class Thing:
+        @serialized(key=lambda *args, **kwargs: seen.append(args) or "k")
+        async def act(self, x: int) -> int:
+            return x
+
+    thing = Thing()
+    assert await thing.act(1) == 1
+    assert await Thing.act(thing, 2) == 2
+    assert seen == [(thing, 1), (thing, 2)]
+
+
+async def test_method_reentry_through_another_serialized_method() -> None:
+    log: list[str] = []
+
+    class Transcripts:
+        @serialized(key="seg_id")
+        async def apply_revision(self, seg_id: str) -> None:
+            log.append("revision")
+
+        @serialized(key="seg_id")
+        async def finalize(self, seg_id: str) -> None:
+            await self.apply_revision(seg_id)  # same task, same key: runs inline
+            log.append("final")
+
+    await asyncio.wait_for(Transcripts().finalize("s"), timeout=5)
+    assert log == ["revision", "final"]
+
+
+async def test_metadata_is_preserved() -> None:
+    assert inspect.iscoroutinefunction(targets.save)
+    assert inspect.iscoroutinefunction(targets.Service.method)
+    assert inspect.iscoroutinefunction(targets.Service("x").method)
+    for name in ("class_above", "class_below", "static_above", "static_below"):
+        assert inspect.iscoroutinefunction(getattr(targets.Service, name)), name
+    assert targets.save.__name__ == "save"
+    assert targets.save.__qualname__ == "save"
+    assert targets.save.__doc__ == "Save a segment."
+    assert str(inspect.signature(targets.save)) == "(seg_id: 'str', text: 'str' = '') -> 'str'"
+    assert targets.save.__wrapped__.__name__ == "save"
+    assert targets.Service.method.__qualname__ == "Service.method"
+
+
+async def test_decorated_functions_and_methods_pickle_by_reference() -> None:
+    assert pickle.loads(pickle.dumps(targets.save)) is targets.save
+    service = targets.Service("p")
+    bound = pickle.loads(pickle.dumps(service.method))
+    assert await bound("s") == "p:s"
+    assert await pickle.loads(pickle.dumps(targets.Service.class_below))("s") == "Service:s"
+
+
+async def test_sync_and_async_generator_functions_are_rejected_at_decoration() -> None:
+    def sync(seg_id: str) -> None:
+        return None
+
+    async def agen(seg_id: str) -> Any:
+        yield seg_id
+
+    with pytest.raises(TypeError, match="async def"):
+        serialized(key="seg_id")(sync)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="async generator"):
+        serialized(key="seg_id")(agen)
+    with pytest.raises(TypeError, match="async def"):
+        serialized(staticmethod(sync))  # type: ignore[call-overload]
+
+
+async def test_bad_key_specifications_fail_at_decoration() -> None:
+    async def fn(seg_id: str, *rest: str, **extra: str) -> None:
+        return None
+
+    with pytest.raises(ValueError, match=r"no parameter 'segment'.*seg_id"):
+        serialized(key="segment")(fn)
+    with pytest.raises(ValueError, match="variadic"):
+        serialized(key="rest")(fn)
+    with pytest.raises(TypeError, match="key must be"):
+        serialized(key=42)(fn)  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match="timeout"):
+        serialized(key="seg_id", timeout=-1)(fn)
+
+
+async def test_key_failures_raise_from_the_call_naming_the_function() -> None:
+    @serialized(key=lambda seg_id: {"unhashable": seg_id})
+    async def unhashable_key(seg_id: str) -> None:
+        raise AssertionError("must not run")
+
+    @serialized(key=lambda seg_id: seg_id["missing"])
+    async def failing_key(seg_id: dict[str, str]) -> None:
+        raise AssertionError("must not run")
+
+    @serialized(key="seg_id")
+    async def needs_seg(seg_id: str) -> None:
+        raise AssertionError("must not run")
+
+    with pytest.raises(TypeError, match="unhashable_key.*hashable"):
+        unhashable_key("a")
+    with pytest.raises(TypeError, match="failing_key") as info:
+        failing_key({})
+    assert isinstance(info.value.__cause__, KeyError)
+    with pytest.raises(TypeError, match="needs_seg.*missing argument 'seg_id'"):
+        needs_seg()  # type: ignore[call-arg]
+    assert len(default_queue()) == 0
+
+
+async def test_decorator_timeout_bounds_the_wait_only() -> None:
+    gate = asyncio.Event()
+    log: list[str] = []
+
+    @serialized(key="k", timeout=0)
+    async def quick_to_give_up(k: str, name: str) -> None:
+        log.append(name)
+        await gate.wait()
+
+    first = asyncio.create_task(quick_to_give_up("a", "first"))
+    await settle()
+    with pytest.raises(TimeoutError):
+        await quick_to_give_up("a", "second")
+    gate.set()
+    await first
+    await quick_to_give_up("a", "third")
+    assert log == ["first", "third"]
+
+
+async def test_calling_registers_only_when_awaited() -> None:
+    @serialized(key="k")
+    async def work(k: str) -> str:
+        return k
+
+    coro = work("a")
+    assert len(default_queue()) == 0
+    assert await coro == "a"
+    unawaited = work("b")
+    unawaited.close()
+    assert len(default_queue()) == 0

@@ -1,0 +1,155 @@
+"""Bad input fails early with a clear message and leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from keyserial import KeyedSerialQueue, QueueClosed, QueueFull
+
+from .scheduling import settle
+
+pytestmark = pytest.mark.asyncio
+
+
+async def noop() -> None:
+    return None
+
+
+async def test_unhashable_key_is_a_type_error_naming_the_key() -> None:
+    queue = KeyedSerialQueue()
+    with pytest.raises(TypeError, match=r"hashable.*list"):
+        await queue.run(["not", "hashable"], noop)
+    with pytest.raises(TypeError, match="hashable"):
+        queue.submit({"a": 1}, noop)
+    with pytest.raises(TypeError, match="hashable"):
+        async with queue.lock([1]):
+            pass
+    assert len(queue) == 0
+
+
+async def test_submit_rejects_non_callables() -> None:
+    queue = KeyedSerialQueue()
+    with pytest.raises(TypeError, match="callable"):
+        queue.submit("k", 42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
+async def test_max_pending_must_be_a_positive_int(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_pending"):
+        KeyedSerialQueue(max_pending=bad)  # type: ignore[arg-type]
+
+
+async def test_negative_timeout_is_rejected_before_waiting() -> None:
+    queue = KeyedSerialQueue()
+    with pytest.raises(ValueError, match="timeout"):
+        queue.lock("k", timeout=-1)
+    with pytest.raises(ValueError, match="timeout"):
+        await queue.call("k", noop, (), {}, timeout=-0.5)
+
+
+async def test_max_pending_rejects_the_call_that_would_exceed_it() -> None:
+    queue = KeyedSerialQueue(max_pending=2)
+    gate = asyncio.Event()
+    started: list[str] = []
+
+    async def hold(name: str) -> None:
+        started.append(name)
+        await gate.wait()
+
+    first = asyncio.create_task(queue.run("k", hold, "first"))
+    second = asyncio.create_task(queue.run("k", hold, "second"))
+    await settle()
+    with pytest.raises(QueueFull) as info:
+        await queue.run("k", hold, "third")
+    assert info.value.key == "k" and info.value.max_pending == 2
+    with pytest.raises(QueueFull):
+        queue.submit("k", hold, "fourth")
+    with pytest.raises(QueueFull):
+        async with queue.lock("k"):
+            pass
+    # Other keys are bounded separately.
+    other = asyncio.create_task(queue.run("other", hold, "other"))
+    await settle()
+    assert queue.pending("k") == 2
+    gate.set()
+    await asyncio.gather(first, second, other)
+    assert started == ["first", "other", "second"]
+    assert len(queue) == 0
+
+
+async def test_max_pending_one_allows_exactly_one() -> None:
+    queue = KeyedSerialQueue(max_pending=1)
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        await gate.wait()
+
+    running = queue.submit("k", hold)
+    with pytest.raises(QueueFull):
+        await queue.run("k", hold)
+    gate.set()
+    await running
+    await queue.run("k", noop)
+    assert len(queue) == 0
+
+
+async def test_closed_queue_refuses_new_work_but_finishes_registered_work() -> None:
+    queue = KeyedSerialQueue()
+    gate = asyncio.Event()
+    log: list[str] = []
+
+    async def hold(name: str) -> None:
+        await gate.wait()
+        log.append(name)
+
+    first = queue.submit("k", hold, "first")
+    second = queue.submit("k", hold, "second")
+    closing = asyncio.create_task(queue.aclose())
+    await settle()
+    assert queue.closed
+    assert not closing.done()
+    with pytest.raises(QueueClosed):
+        await queue.run("other", noop)
+    with pytest.raises(QueueClosed):
+        await queue.run("k", noop)
+    with pytest.raises(QueueClosed):
+        queue.submit("k", noop)
+    with pytest.raises(QueueClosed):
+        async with queue.lock("k"):
+            pass
+    gate.set()
+    await closing
+    assert log == ["first", "second"]
+    assert first.done() and second.done()
+    assert len(queue) == 0
+
+
+async def test_run_outside_a_task_is_a_clear_error() -> None:
+    queue = KeyedSerialQueue()
+    coro = queue.run("k", noop)
+    with pytest.raises(RuntimeError, match="inside an asyncio task"):
+        _drive_outside_task(coro)
+
+
+def _drive_outside_task(coro: object) -> None:
+    import asyncio.tasks as tasks
+
+    loop = asyncio.get_running_loop()
+    current = tasks.current_task(loop)
+    # Temporarily leave the current task so that the coroutine sees none.
+    tasks._leave_task(loop, current)  # type: ignore[attr-defined]
+    try:
+        coro.send(None)  # type: ignore[attr-defined]
+    finally:
+        tasks._enter_task(loop, current)  # type: ignore[attr-defined]
+
+
+async def test_lock_object_cannot_be_entered_twice() -> None:
+    queue = KeyedSerialQueue()
+    lock = queue.lock("k")
+    async with lock:
+        with pytest.raises(RuntimeError, match="twice"):
+            await lock.__aenter__()
+    assert len(queue) == 0

@@ -1,0 +1,92 @@
+"""Property test: thousands of interleaved calls with failures, cancellations and timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import defaultdict
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keyserial import KeyedSerialQueue
+
+
+class Boom(Exception):
+    """The failure a call raises on purpose; carries the call id."""
+
+
+async def run_schedule(seed: int, calls: int, keys: int) -> None:
+    rng = random.Random(seed)
+    queue = KeyedSerialQueue()
+    active: dict[int, int] = defaultdict(int)
+    starts: dict[int, list[int]] = defaultdict(list)
+    registrations: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    overlaps: list[tuple[int, int]] = []
+
+    async def body(call_id: int, key: int, steps: int, fail: bool) -> int:
+        active[key] += 1
+        if active[key] != 1:
+            overlaps.append((key, call_id))
+        starts[key].append(call_id)
+        try:
+            for _ in range(steps):
+                await asyncio.sleep(0)
+        finally:
+            active[key] -= 1
+        if fail:
+            raise Boom(call_id)
+        return call_id
+
+    tasks: list[asyncio.Task[Any]] = []
+    epoch = 0
+    for call_id in range(calls):
+        key = rng.randrange(keys)
+        args = (call_id, key, rng.choice([0, 0, 1, 2, 5]), rng.random() < 0.2)
+        kind = rng.random()
+        if kind < 0.3:
+            tasks.append(queue.submit(key, body, *args))
+            order = 0  # registers now
+        elif kind < 0.45:
+            timeout = rng.choice([0.0, 0.0005, 10.0])
+            tasks.append(asyncio.create_task(queue.call(key, body, args, {}, timeout)))
+            order = 1  # registers at the task's first step, after this epoch's submits
+        else:
+            tasks.append(asyncio.create_task(queue.run(key, body, *args)))
+            order = 1
+        registrations[key].append((epoch, order, call_id))
+        if rng.random() < 0.08:
+            rng.choice(tasks).cancel()
+        if rng.random() < 0.3:
+            epoch += 1
+            await asyncio.sleep(rng.choice([0, 0, 0, 0.0002]))
+
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    started = {call_id for ids in starts.values() for call_id in ids}
+    for call_id, outcome in enumerate(outcomes):
+        if isinstance(outcome, Boom):
+            assert outcome.args == (call_id,)
+            assert call_id in started
+        elif isinstance(outcome, asyncio.CancelledError):
+            pass  # cancelled while waiting (never started) or while running
+        elif isinstance(outcome, TimeoutError):
+            assert call_id not in started
+        else:
+            assert outcome == call_id
+            assert call_id in started
+    assert overlaps == []
+    for key, registered in registrations.items():
+        expected = [call_id for _, _, call_id in sorted(registered) if call_id in started]
+        assert starts[key] == expected, f"key {key}: start order differs from registration order"
+    assert len(queue) == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), keys=st.sampled_from([1, 3, 20, 200]))
+def test_random_schedules_keep_the_contract(seed: int, keys: int) -> None:
+    async def guarded() -> None:
+        # A deadlock must fail this example (so that hypothesis can shrink it), not hang.
+        await asyncio.wait_for(run_schedule(seed, calls=1500, keys=keys), timeout=30)
+
+    asyncio.run(guarded())

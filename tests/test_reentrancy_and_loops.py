@@ -1,0 +1,188 @@
+"""Re-entrant calls from the holder, child tasks that queue, and one queue across event loops."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+
+from keyserial import KeyedSerialQueue, default_queue
+
+from .scheduling import settle
+
+
+@pytest.mark.asyncio
+async def test_holder_task_reenters_its_own_key_inline() -> None:
+    queue = KeyedSerialQueue(max_pending=1)
+    log: list[str] = []
+
+    async def inner() -> str:
+        log.append("inner")
+        return "inner-result"
+
+    async def outer() -> str:
+        log.append("outer start")
+        result = await queue.run("k", inner)
+        async with queue.lock("k"):
+            log.append("nested lock")
+        assert queue.locked("k")
+        log.append("outer end")
+        return result
+
+    assert await queue.run("k", outer) == "inner-result"
+    assert log == ["outer start", "inner", "nested lock", "outer end"]
+    assert len(queue) == 0
+
+
+@pytest.mark.asyncio
+async def test_reentry_after_contention_still_runs_inline() -> None:
+    queue = KeyedSerialQueue()
+    log: list[str] = []
+    proceed = asyncio.Event()
+
+    async def inner(name: str) -> None:
+        log.append(name)
+
+    async def outer() -> None:
+        await proceed.wait()  # by now another call queues behind this turn
+        await queue.run("k", inner, "reentrant")
+        log.append("outer end")
+
+    holder = asyncio.create_task(queue.run("k", outer))
+    await settle()
+    behind = asyncio.create_task(queue.run("k", inner, "behind"))
+    await settle()
+    proceed.set()
+    await asyncio.gather(holder, behind)
+    assert log == ["reentrant", "outer end", "behind"]
+
+
+@pytest.mark.asyncio
+async def test_child_task_of_the_holder_queues() -> None:
+    queue = KeyedSerialQueue()
+    log: list[str] = []
+
+    async def child_work() -> None:
+        log.append("child")
+
+    async def outer() -> asyncio.Task[None]:
+        child = asyncio.create_task(queue.run("k", child_work))
+        await settle()
+        log.append("outer still holds the key")
+        return child
+
+    child = await queue.run("k", outer)
+    await child
+    assert log == ["outer still holds the key", "child"]
+
+
+@pytest.mark.asyncio
+async def test_submit_from_the_holder_queues_behind_it() -> None:
+    queue = KeyedSerialQueue()
+    log: list[str] = []
+
+    async def child_work() -> None:
+        log.append("submitted")
+
+    async def outer() -> asyncio.Task[None]:
+        task = queue.submit("k", child_work)
+        await settle()
+        log.append("outer end")
+        return task
+
+    task = await queue.run("k", outer)
+    await task
+    assert log == ["outer end", "submitted"]
+
+
+def test_queue_works_in_one_asyncio_run_after_another() -> None:
+    queue = KeyedSerialQueue()
+
+    async def noop() -> int:
+        await asyncio.sleep(0)
+        return 1
+
+    async def main() -> int:
+        results = await asyncio.gather(*(queue.run("k", noop) for _ in range(5)))
+        await default_queue().run("k", noop)
+        return sum(results)
+
+    assert asyncio.run(main()) == 5
+    assert asyncio.run(main()) == 5
+
+
+def test_loop_closed_with_work_registered_leaves_the_next_loop_unaffected() -> None:
+    queue = KeyedSerialQueue()
+    gate_holder: list[asyncio.Event] = []
+
+    async def hold() -> None:
+        gate = asyncio.Event()
+        gate_holder.append(gate)
+        await gate.wait()
+
+    async def abandon_work() -> None:
+        queue.submit("k", hold)
+        queue.submit("k", hold)
+        await settle()
+        assert queue.pending("k") == 2
+        await queue.aclose()  # closed, but only for this loop
+
+    loop = asyncio.new_event_loop()
+    # Its tasks are destroyed while pending, on purpose; keep asyncio's report of that quiet.
+    loop.set_exception_handler(lambda loop, context: None)
+    task = loop.create_task(abandon_work())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert not task.done()
+    # Close the loop with the key still held and the close still waiting.
+    task.cancel()
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+
+    async def use_again() -> tuple[int, bool, int]:
+        async def noop() -> int:
+            return 7
+
+        assert queue.pending("k") == 0
+        result = await asyncio.wait_for(queue.run("k", noop), timeout=5)
+        return result, queue.closed, len(queue)
+
+    assert asyncio.run(use_again()) == (7, False, 0)
+    gc.collect()
+
+
+def test_default_queue_is_shared_and_per_loop() -> None:
+    async def main() -> bool:
+        return default_queue() is default_queue() and len(default_queue()) == 0
+
+    assert asyncio.run(main())
+    assert asyncio.run(main())
+
+
+def test_threads_with_their_own_loops_share_a_queue() -> None:
+    import threading
+
+    queue = KeyedSerialQueue()
+    results: list[list[int]] = []
+
+    async def worker(offset: int) -> list[int]:
+        out: list[int] = []
+
+        async def record(i: int) -> None:
+            await asyncio.sleep(0)
+            out.append(i)
+
+        await asyncio.gather(*(queue.run("shared", record, offset + i) for i in range(200)))
+        return out
+
+    def thread_main(offset: int) -> None:
+        results.append(asyncio.run(worker(offset)))
+
+    threads = [threading.Thread(target=thread_main, args=(n * 1000,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(r[0] for r in results) == [0, 1000, 2000, 3000]
+    for out in results:
+        assert out == list(range(out[0], out[0] + 200))
