@@ -6,7 +6,7 @@ import functools
 import importlib
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
-from typing import Any, ParamSpec, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 
 import wrapt
 
@@ -45,7 +45,15 @@ def _import_qualified(module: str, qualname: str) -> Any:
     return target
 
 
-class _BoundSerializedFunction(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
+if TYPE_CHECKING:
+    _FunctionWrapper = wrapt.FunctionWrapper[..., Any]
+    _BoundFunctionWrapper = wrapt.BoundFunctionWrapper[..., Any]
+else:  # older wrapt releases cannot be subscripted at run time
+    _FunctionWrapper = wrapt.FunctionWrapper
+    _BoundFunctionWrapper = wrapt.BoundFunctionWrapper
+
+
+class _BoundSerializedFunction(_BoundFunctionWrapper):
     """A serialized method bound to its instance or class."""
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
@@ -53,7 +61,7 @@ class _BoundSerializedFunction(wrapt.BoundFunctionWrapper):  # type: ignore[misc
         return getattr, (owner, self.__name__)
 
 
-class _SerializedFunction(wrapt.FunctionWrapper):  # type: ignore[misc]
+class _SerializedFunction(_FunctionWrapper):
     """A function whose calls run through a keyed queue."""
 
     __bound_function_wrapper__ = _BoundSerializedFunction

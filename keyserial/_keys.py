@@ -30,14 +30,14 @@ class FunctionKey:
 
 
 def constant_key(key: Hashable) -> KeyExtractor:
-    def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return key
 
     return extract
 
 
 def key_from_function(key_fn: Callable[..., Hashable]) -> KeyExtractor:
-    def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if instance is None:
             return key_fn(*args, **kwargs)
         return key_fn(instance, *args, **kwargs)
@@ -69,17 +69,17 @@ def key_from_parameter(func: Callable[..., Any], name: str, qualname: str) -> Ke
     positional_only = parameter.kind is parameter.POSITIONAL_ONLY
     default = _MISSING if parameter.default is parameter.empty else parameter.default
 
-    def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if position >= 0:
             index = position if instance is None else position - 1
             if index < 0:
                 return instance  # keyed by ``self``/``cls`` itself
             if index < len(args):
-                return args[index]  # type: ignore[no-any-return]
+                return args[index]
         if not positional_only and name in kwargs:
-            return kwargs[name]  # type: ignore[no-any-return]
+            return kwargs[name]
         if default is _MISSING:
             raise TypeError(f"missing argument {name!r}")
-        return default  # type: ignore[return-value]
+        return default
 
     return extract

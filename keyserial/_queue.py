@@ -354,7 +354,7 @@ class KeyedSerialQueue:
     def submit(
         self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
     ) -> asyncio.Task[T]:
-        """Start ``fn(*args, **kwargs)`` in ``key``'s turn as a new task, registered before returning.
+        """Start ``fn(*args, **kwargs)`` in ``key``'s turn as a new task; it is registered at once.
 
         The new task is a different task from the caller, so it queues even
         when the caller holds ``key`` (awaiting it from inside that turn would

@@ -20,11 +20,11 @@ async def noop() -> None:
 async def test_unhashable_key_is_a_type_error_naming_the_key() -> None:
     queue = KeyedSerialQueue()
     with pytest.raises(TypeError, match=r"hashable.*list"):
-        await queue.run(["not", "hashable"], noop)
+        await queue.run(["not", "hashable"], noop)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="hashable"):
-        queue.submit({"a": 1}, noop)
+        queue.submit({"a": 1}, noop)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="hashable"):
-        async with queue.lock([1]):
+        async with queue.lock([1]):  # type: ignore[arg-type]
             pass
     assert len(queue) == 0
 
@@ -138,12 +138,13 @@ def _drive_outside_task(coro: object) -> None:
 
     loop = asyncio.get_running_loop()
     current = tasks.current_task(loop)
+    assert current is not None
     # Temporarily leave the current task so that the coroutine sees none.
-    tasks._leave_task(loop, current)  # type: ignore[attr-defined]
+    tasks._leave_task(loop, current)
     try:
         coro.send(None)  # type: ignore[attr-defined]
     finally:
-        tasks._enter_task(loop, current)  # type: ignore[attr-defined]
+        tasks._enter_task(loop, current)
 
 
 async def test_lock_object_cannot_be_entered_twice() -> None:
