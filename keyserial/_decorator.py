@@ -26,6 +26,12 @@ class SerialQueue(Protocol):
     :class:`~keyserial.KeyedSerialQueue` implements it; so can other backends.
     """
 
+    def run(
+        self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+    ) -> Coroutine[Any, Any, T]:
+        """Return a coroutine running ``fn(*args, **kwargs)`` in ``key``'s turn."""
+        ...
+
     def call(
         self,
         key: Hashable,
@@ -34,7 +40,7 @@ class SerialQueue(Protocol):
         kwargs: dict[str, Any],
         timeout: float | None = None,
     ) -> Coroutine[Any, Any, T]:
-        """Return a coroutine running ``fn(*args, **kwargs)`` in ``key``'s turn."""
+        """Like ``run``, with ``timeout`` bounding the wait for the turn."""
         ...
 
 
@@ -110,7 +116,7 @@ def _serialize(
     if timeout is not None and not timeout >= 0:
         raise ValueError(f"@serialized timeout must be None or a number >= 0, got {timeout!r}")
     extract = _make_extractor(key, fn, qualname)
-    run_turn = (default_queue() if queue is None else queue).call
+    target: SerialQueue = default_queue() if queue is None else queue
 
     def key_of(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         try:
@@ -120,19 +126,21 @@ def _serialize(
             raise TypeError(f"{qualname}: could not get a hashable queue key: {exc}") from exc
         return call_key
 
+    call = target.call
+
     def route(
         wrapped: Callable[..., Coroutine[Any, Any, Any]],
         instance: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Coroutine[Any, Any, Any]:
-        return run_turn(key_of(instance, args, kwargs), wrapped, args, kwargs, timeout)
+        return call(key_of(instance, args, kwargs), wrapped, args, kwargs, timeout)
 
     class SerializedFunction(_SerializedFunction):
         # A class per decorated function lets the unbound call path read what it needs from
         # this closure: attribute lookups on a wrapt proxy cost about 100 ns each.
         def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-            return run_turn(key_of(None, args, kwargs), fn, args, kwargs, timeout)
+            return call(key_of(None, args, kwargs), fn, args, kwargs, timeout)
 
     SerializedFunction.__qualname__ = SerializedFunction.__name__ = f"serialized[{qualname}]"
     return SerializedFunction(fn, route)

@@ -1,0 +1,140 @@
+"""Markdown tables, target checks and the waiters plot."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .scenarios import Table
+
+
+def environment() -> str:
+    processor = platform.processor() or platform.machine()
+    return (
+        f"Python {platform.python_version()} ({platform.python_implementation()}), "
+        f"{platform.system()} {platform.release()}, {processor}, {os.cpu_count()} CPUs"
+    )
+
+
+def _format(value: float) -> str:
+    if abs(value) < 0.05:
+        return "0"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.1f}"
+
+
+def render(table: Table) -> str:
+    reference = table.values.get(table.reference)
+    show_ratio = (
+        table.ratios and reference is not None and all(v > 0 for v in table.values.values())
+    )
+    header = f"| variant | {table.unit} |" + (
+        f" {table.reference} ÷ variant |" if show_ratio else ""
+    )
+    rule = "|---|---:|" + ("---:|" if show_ratio else "")
+    lines = [f"### {table.title}", "", header, rule]
+    for name, value in table.values.items():
+        row = f"| {name} | {_format(value)} |"
+        if show_ratio and reference is not None:
+            row += f" {reference / value:.2f} |"
+        lines.append(row)
+    lines.extend(f"\n{note}" for note in table.notes)
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Target:
+    claim: str
+    measured: float
+    limit: float
+
+    @property
+    def met(self) -> bool:
+        return self.measured <= self.limit
+
+
+def targets(tables: Sequence[Table], waiter_sizes: Sequence[int]) -> list[Target]:
+    """The issue's performance targets, each checked against this run's tables."""
+    by_id = {table.id: table.values for table in tables}
+    growth = {table.id: table.growth for table in tables}
+    results = []
+    if "uncontended-distinct-keys" in by_id:
+        v = by_id["uncontended-distinct-keys"]
+        results += [
+            Target(
+                "uncontended run ÷ one asyncio.Lock", v["keyserial"] / v["one asyncio.Lock"], 0.9
+            ),
+            Target(
+                "uncontended run ÷ defaultdict(Lock)", v["keyserial"] / v["defaultdict(Lock)"], 0.6
+            ),
+            Target(
+                "uncontended run ÷ asyncio-keyed-lock",
+                v["keyserial"] / v["asyncio-keyed-lock"],
+                0.2,
+            ),
+        ]
+    if "decorated" in by_id:
+        v = by_id["decorated"]
+        ratio = v["@serialized function"] / v["queue.run(key, fn, key)"]
+        results.append(Target("@serialized function ÷ queue.run", ratio, 2.0))
+    for table_id, label in (
+        ("contended-100", "fn yields once"),
+        ("contended-100-noop", "fn returns at once"),
+    ):
+        if table_id in by_id:
+            v = by_id[table_id]
+            ratio = v["keyserial"] / v["bare await"]
+            results.append(Target(f"gather over 100 keys ÷ bare gather, {label}", ratio, 1.15))
+    if "memory-idle" in by_id:
+        results.append(Target("bytes retained per idle key", by_id["memory-idle"]["keyserial"], 0))
+    if "memory-waiting" in by_id:
+        extra = by_id["memory-waiting"]["difference"]
+        results.append(Target("bytes per waiting call beyond an Event waiter", extra, 300))
+    if "waiters-cancel-half" in growth and len(waiter_sizes) >= 2:
+        linear = waiter_sizes[-1] / waiter_sizes[-2]
+        measured = growth["waiters-cancel-half"]["keyserial"]
+        results.append(
+            Target(
+                f"cancel half: {waiter_sizes[-1]:,} run ÷ {waiter_sizes[-2]:,} run",
+                measured,
+                round(linear * 1.15, 2),
+            )
+        )
+    return results
+
+
+def render_targets(results: Sequence[Target]) -> str:
+    lines = ["### Targets", "", "| claim | measured | target | |", "|---|---:|---:|---|"]
+    for target in results:
+        mark = "met" if target.met else "**missed**"
+        lines.append(f"| {target.claim} | {target.measured:.2f} | ≤ {target.limit:g} | {mark} |")
+    return "\n".join(lines)
+
+
+def plot(curves: dict[str, dict[int, float]], path: Path) -> bool:
+    """Cost per call versus number of waiters; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for name, points in curves.items():
+        sizes = sorted(points)
+        style = "-" if "none cancelled" in name else "--"
+        axes.plot(sizes, [points[s] for s in sizes], style, marker="o", label=name)
+    axes.set_xlabel("waiters queued on one key")
+    axes.set_ylabel("ns per waiting call")
+    axes.set_title(f"Cost per call versus number of waiters (Python {sys.version.split()[0]})")
+    axes.set_ylim(bottom=0)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True

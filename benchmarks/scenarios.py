@@ -1,0 +1,331 @@
+"""The benchmark scenarios. Each returns rows of (variant, value) for one table."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import tracemalloc
+from collections.abc import Callable, Coroutine, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import wrapt
+
+from keyserial import KeyedSerialQueue, serialized
+
+from .adapters import Adapter, Keyserial
+from .timing import Variant, interleave
+
+
+@dataclass
+class Table:
+    """One result table: a value per variant, with ratios of keyserial to each."""
+
+    id: str
+    title: str
+    unit: str
+    values: dict[str, float] = field(default_factory=dict)
+    reference: str = "keyserial"
+    notes: list[str] = field(default_factory=list)
+    ratios: bool = True
+    #: For the many-waiters tables: total time of the largest run over the middle one.
+    growth: dict[str, float] = field(default_factory=dict)
+
+
+async def noop() -> None:
+    return None
+
+
+async def yield_once() -> None:
+    await asyncio.sleep(0)
+
+
+def _ns_per_call(seconds: dict[str, float], calls: int) -> dict[str, float]:
+    return {name: value / calls * 1e9 for name, value in seconds.items()}
+
+
+def _sequential_variant(adapter: Adapter, keys: Sequence[Hashable]) -> Variant:
+    return Variant(adapter.name, lambda: adapter.sequential(keys, noop), adapter.reset)
+
+
+async def uncontended(adapters: Sequence[Adapter], calls: int, repeats: int) -> list[Table]:
+    tables = []
+    for label, keys in (("distinct keys", list(range(calls))), ("one key", [0] * calls)):
+        variants = [_sequential_variant(a, keys) for a in adapters]
+        seconds = await interleave(variants, repeats)
+        tables.append(
+            Table(
+                f"uncontended-{label.replace(' ', '-')}",
+                f"Uncontended: {calls:,} sequential calls, {label}",
+                "ns/call",
+                _ns_per_call(seconds, calls),
+            )
+        )
+    leaked = {}
+    for adapter in adapters:
+        adapter.reset()
+        await adapter.sequential(list(range(calls)), noop)
+        leaked[adapter.name] = adapter.entries()
+    tables[0].notes.append(
+        "entries kept after the run: "
+        + ", ".join(f"{name} {count:,}" for name, count in leaked.items())
+    )
+    return tables
+
+
+async def decorated(calls: int, repeats: int) -> Table:
+    queue = KeyedSerialQueue()
+
+    @serialized(key="key", queue=queue)
+    async def handler(key: int) -> None:
+        return None
+
+    class Service:
+        @serialized(key="key", queue=queue)
+        async def handle(self, key: int) -> None:
+            return None
+
+    async def plain(key: int) -> None:
+        return None
+
+    def passthrough(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        return wrapped(*args, **kwargs)
+
+    wrapt_only = wrapt.FunctionWrapper(plain, passthrough)
+    service = Service()
+    keys = range(calls)
+
+    async def run_queue() -> None:
+        for key in keys:
+            await queue.run(key, plain, key)
+
+    async def run_function() -> None:
+        for key in keys:
+            await handler(key)
+
+    async def run_method() -> None:
+        for key in keys:
+            await service.handle(key)
+
+    async def run_wrapt() -> None:
+        for key in keys:
+            await wrapt_only(key)
+
+    async def run_bare() -> None:
+        for key in keys:
+            await plain(key)
+
+    variants = [
+        Variant("queue.run(key, fn, key)", run_queue),
+        Variant("@serialized function", run_function),
+        Variant("@serialized method", run_method),
+        Variant("wrapt.FunctionWrapper pass-through, no queue", run_wrapt),
+        Variant("bare await fn(key)", run_bare),
+    ]
+    seconds = await interleave(variants, repeats)
+    table = Table(
+        "decorated",
+        f"Decorated: {calls:,} sequential calls on distinct keys, key by parameter name",
+        "ns/call",
+        _ns_per_call(seconds, calls),
+        reference="@serialized function",
+    )
+    table.notes.append("ratio column: @serialized function / each row")
+    return table
+
+
+async def contended(adapters: Sequence[Adapter], calls: int, repeats: int) -> list[Table]:
+    """Gather many calls over few or many keys; the fn either yields once or returns at once.
+
+    When fn returns at once, every call finishes within its task's first step, so no
+    call ever waits: this prices the bookkeeping. When fn yields once, calls of a key
+    really wait for each other: a waiting call needs one more wake-up by the loop.
+    """
+    tables = []
+    for fn, fn_label, fn_id in (
+        (yield_once, "each yields once", ""),
+        (noop, "each returns at once", "-noop"),
+    ):
+        for key_count in (1, 100, 10_000):
+            keys = [i % key_count for i in range(calls)]
+
+            def gathered(adapter: Adapter, keys: list[int] = keys, fn: Any = fn) -> Variant:
+                async def run() -> None:
+                    await asyncio.gather(*(adapter.call(key, fn) for key in keys))
+
+                return Variant(adapter.name, run, adapter.reset)
+
+            seconds = await interleave([gathered(a) for a in adapters], repeats)
+            tables.append(
+                Table(
+                    f"contended-{key_count}{fn_id}",
+                    f"Contended: {calls:,} calls gathered over {key_count:,} keys, {fn_label}",
+                    "ns/call",
+                    _ns_per_call(seconds, calls),
+                )
+            )
+    return tables
+
+
+async def hand_off(adapters: Sequence[Adapter], rounds: int, repeats: int) -> Table:
+    def ping_pong(adapter: Adapter) -> Variant:
+        async def player() -> None:
+            for _ in range(rounds):
+                await adapter.call("ball", yield_once)
+
+        async def run() -> None:
+            await asyncio.gather(player(), player())
+
+        return Variant(adapter.name, run, adapter.reset)
+
+    seconds = await interleave([ping_pong(a) for a in adapters], repeats)
+    return Table(
+        "hand-off",
+        f"Hand-off: two tasks ping-ponging one key, {rounds:,} turns each",
+        "ns/turn",
+        _ns_per_call(seconds, 2 * rounds),
+    )
+
+
+async def _many_waiters_once(adapter: Adapter, waiters: int, cancel_half: bool) -> None:
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        await gate.wait()
+
+    holder = asyncio.ensure_future(adapter.call("k", hold))
+    await asyncio.sleep(0)
+    tasks = [asyncio.ensure_future(adapter.call("k", noop)) for _ in range(waiters)]
+    await asyncio.sleep(0)  # every waiter registers
+    if cancel_half:
+        for task in tasks[::2]:
+            task.cancel()
+        await asyncio.sleep(0)
+    gate.set()
+    await asyncio.gather(holder, *tasks, return_exceptions=True)
+
+
+async def many_waiters(
+    adapters: Sequence[Adapter], sizes: Sequence[int], repeats: int
+) -> tuple[list[Table], dict[str, dict[int, float]]]:
+    """Per-call cost of queuing ``n`` waiters on one key, for each n; the curve must be flat."""
+    tables = []
+    curves: dict[str, dict[int, float]] = {}
+    for cancel_half in (False, True):
+        label = "half cancelled before their turn" if cancel_half else "none cancelled"
+        per_size: dict[int, dict[str, float]] = {}
+        for size in sizes:
+
+            def waiting(adapter: Adapter, size: int = size) -> Variant:
+                return Variant(
+                    adapter.name,
+                    lambda: _many_waiters_once(adapter, size, cancel_half),
+                    adapter.reset,
+                )
+
+            seconds = await interleave([waiting(a) for a in adapters], repeats)
+            per_size[size] = _ns_per_call(seconds, size)
+            for name, value in per_size[size].items():
+                curves.setdefault(f"{name} ({label})", {})[size] = value
+        largest, middle = sizes[-1], sizes[-2]
+        table = Table(
+            "waiters-cancel-half" if cancel_half else "waiters",
+            f"Many waiters on one key, {largest:,} waiters, {label}",
+            "ns/waiter",
+            per_size[largest],
+        )
+        table.growth = {
+            name: (per_size[largest][name] * largest) / (per_size[middle][name] * middle)
+            for name in per_size[largest]
+        }
+        table.notes.append(
+            f"total time {largest:,} / {middle:,} waiters (linear = {largest / middle:.1f}): "
+            + ", ".join(f"{name} {ratio:.2f}" for name, ratio in table.growth.items())
+        )
+        tables.append(table)
+    return tables, curves
+
+
+async def _measure_allocated(
+    action: Callable[[], Coroutine[Any, Any, object]],
+) -> tuple[int, object]:
+    """Bytes still allocated after ``action``, with what it returned (kept alive meanwhile)."""
+    gc.collect()
+    before = tracemalloc.get_traced_memory()[0]
+    kept = await action()
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0] - before, kept
+
+
+async def memory(adapters: Sequence[Adapter], idle_keys: int, waiters: int) -> list[Table]:
+    tracemalloc.start()
+    try:
+        idle: dict[str, float] = {}
+        small = idle_keys // 10
+        for adapter in adapters:
+            retained = {}
+            for count in (small, idle_keys):
+                adapter.reset()
+                await adapter.sequential(["warm-up"], noop)  # what a first use allocates once
+                keys = list(range(count))
+
+                async def use_once(adapter: Adapter = adapter, keys: list[int] = keys) -> None:
+                    await adapter.sequential(keys, noop)
+
+                retained[count], _ = await _measure_allocated(use_once)
+            # The slope between two sizes: a fixed allocation made once is not per key.
+            idle[adapter.name] = (retained[idle_keys] - retained[small]) / (idle_keys - small)
+
+        per_waiter = await _bytes_per_waiting_call(waiters)
+    finally:
+        tracemalloc.stop()
+    idle_table = Table(
+        "memory-idle",
+        f"Memory retained per idle key ({idle_keys // 10:,} vs {idle_keys:,} distinct keys used once)",
+        "bytes/key",
+        idle,
+    )
+    idle_table.ratios = False
+    waiter_table = Table(
+        "memory-waiting",
+        f"Memory per waiting call, {waiters:,} calls waiting on one key",
+        "bytes/call",
+        per_waiter,
+        reference="keyserial queue.run",
+    )
+    return [idle_table, waiter_table]
+
+
+async def _bytes_per_waiting_call(waiters: int) -> dict[str, float]:
+    event = asyncio.Event()
+
+    async def waiting_on_event() -> object:
+        tasks = [asyncio.ensure_future(event.wait()) for _ in range(waiters)]
+        await asyncio.sleep(0)
+        return tasks
+
+    adapter = Keyserial()
+    adapter.reset()
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        await gate.wait()
+
+    async def waiting_on_queue() -> object:
+        tasks = [asyncio.ensure_future(adapter.queue.run("k", noop)) for _ in range(waiters)]
+        await asyncio.sleep(0)
+        return tasks
+
+    # The holder registers first, so that the measured calls all wait.
+    holder = asyncio.ensure_future(adapter.queue.run("k", hold))
+    await asyncio.sleep(0)
+    event_bytes, event_tasks = await _measure_allocated(waiting_on_event)
+    queue_bytes, queue_tasks = await _measure_allocated(waiting_on_queue)
+    event.set()
+    gate.set()
+    await asyncio.gather(holder, *event_tasks, *queue_tasks)  # type: ignore[misc]
+    return {
+        "keyserial queue.run": queue_bytes / waiters,
+        "task waiting on asyncio.Event": event_bytes / waiters,
+        "difference": (queue_bytes - event_bytes) / waiters,
+    }
