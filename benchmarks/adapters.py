@@ -129,8 +129,13 @@ class PromiseChain(Adapter):
 
         task = asyncio.ensure_future(chained())
         tail: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        # A waiter cancelled while awaiting its predecessor's tail cancels that tail too.
-        task.add_done_callback(lambda _: tail.done() or tail.set_result(None))
+
+        def settle_tail(_: object) -> None:
+            # A waiter cancelled while awaiting its predecessor's tail cancels that tail too.
+            if not tail.done():
+                tail.set_result(None)
+
+        task.add_done_callback(settle_tail)
         tails = self.tails
         tails[key] = tail
         tail.add_done_callback(lambda _: tails.pop(key) if tails.get(key) is tail else None)

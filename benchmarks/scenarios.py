@@ -216,10 +216,10 @@ async def many_waiters(
         per_size: dict[int, dict[str, float]] = {}
         for size in sizes:
 
-            def waiting(adapter: Adapter, size: int = size) -> Variant:
+            def waiting(adapter: Adapter, size: int = size, cancel: bool = cancel_half) -> Variant:
                 return Variant(
                     adapter.name,
-                    lambda: _many_waiters_once(adapter, size, cancel_half),
+                    lambda: _many_waiters_once(adapter, size, cancel),
                     adapter.reset,
                 )
 
@@ -281,7 +281,8 @@ async def memory(adapters: Sequence[Adapter], idle_keys: int, waiters: int) -> l
         tracemalloc.stop()
     idle_table = Table(
         "memory-idle",
-        f"Memory retained per idle key ({idle_keys // 10:,} vs {idle_keys:,} distinct keys used once)",
+        f"Memory retained per idle key (slope from {idle_keys // 10:,} to {idle_keys:,} "
+        "distinct keys used once)",
         "bytes/key",
         idle,
     )

@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from keyserial import KeyedSerialQueue, serialized
 
@@ -43,7 +44,7 @@ class Store:
         self._in_flight -= 1
 
 
-Handler = Callable[[str, str, int], Awaitable[None]]
+Handler = Callable[[str, str, int], Coroutine[Any, Any, None]]
 
 
 @dataclass(frozen=True)
