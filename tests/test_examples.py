@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -42,3 +43,63 @@ def test_transcript_pipeline_script_prints_its_table_deterministically() -> None
     assert int(rows["unserialized"][1]) > 0
     assert rows["@serialized"][1:3][0] == "0"
     assert rows["@serialized"][-1] == "-"
+
+
+def test_service_class_orders_each_segment_and_reenters() -> None:
+    example = load_example("service_class")
+    service, tenants = asyncio.run(example.main())
+    assert service.text == {
+        "seg-1": "hello world [final]",
+        "seg-2": "good morning [final]",
+    }
+    for seg_id in ("seg-1", "seg-2"):
+        mine = [line for line in service.log if line.startswith(seg_id)]
+        assert [line.split()[1] for line in mine] == ["partial", "revision", "final"]
+    # Different segments overlapped: seg-2's partial started before seg-1's revision.
+    assert service.log.index("seg-2: partial 'good mor' starts") < service.log.index(
+        "seg-1: revision 'hello world'"
+    )
+    assert [t.text["seg-1"] for t in tenants] == ["tenant-a final", "tenant-b final"]
+    assert len(example.SEGMENTS) == 0
+
+
+def test_worker_keeps_per_segment_order_with_concurrency() -> None:
+    command = [sys.executable, str(EXAMPLES / "worker.py"), "--events", "300"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+    lines = result.stdout.splitlines()
+    assert lines[0] == "handled 300 events for 8 segments"
+    assert lines[1] == "per-segment order kept: True"
+    assert int(lines[2].rsplit(" ", 1)[1]) > 1
+
+
+def test_worker_state_after_shutdown() -> None:
+    worker = load_example("worker")
+    stats = asyncio.run(worker.main(200))
+    assert sum(len(seqs) for seqs in stats.handled.values()) == 200
+    for seqs in stats.handled.values():
+        assert seqs == list(range(1, len(seqs) + 1))
+    assert stats.running == 0
+
+
+def test_fastapi_app_final_state_wins_for_every_segment() -> None:
+    app_module = load_example("fastapi_app")
+    saved = asyncio.run(app_module.demo())
+    assert saved == {"a": "final: hello", "b": "final: hello", "c": "final: hello"}
+    assert len(app_module.segment_queue) == 0
+
+
+def test_fastapi_save_segment_race_is_real_without_the_decorator() -> None:
+    app_module = load_example("fastapi_app")
+
+    async def race(save: Any) -> str:
+        slow = app_module.Update(stage="partial", text="helo", latency=0.05)
+        fast = app_module.Update(stage="final", text="hello", latency=0.0)
+        partial = asyncio.create_task(save("x", slow))
+        await asyncio.sleep(0)  # the partial is under way (or registered) first
+        await save("x", fast)
+        await partial
+        return str(app_module.segments["x"])
+
+    assert asyncio.run(race(app_module.save_segment)) == "final: hello"
+    unserialized = getattr(app_module.save_segment, "__wrapped__")  # noqa: B009
+    assert asyncio.run(race(unserialized)) == "partial: helo"
