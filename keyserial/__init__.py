@@ -7,10 +7,11 @@ different keys run concurrently. See :class:`KeyedSerialQueue` and
 
 from ._decorator import SerialQueue, serialized
 from ._default import default_queue
-from ._errors import QueueClosed, QueueFull
+from ._errors import DeadlockError, QueueClosed, QueueFull
 from ._queue import KeyedSerialQueue
 
 __all__ = [
+    "DeadlockError",
     "KeyedSerialQueue",
     "QueueClosed",
     "QueueFull",

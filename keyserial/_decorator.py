@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from collections.abc import Awaitable, Callable, Coroutine, Hashable
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 
 import wrapt
@@ -93,9 +93,7 @@ def _check_async(fn: Any, qualname: str) -> None:
         raise TypeError(f"@serialized needs an async def function; {qualname} is not one")
 
 
-def _make_extractor(
-    key: str | Callable[..., Hashable] | None, fn: Any, qualname: str
-) -> KeyExtractor:
+def _make_extractor(key: str | Callable[..., Any] | None, fn: Any, qualname: str) -> KeyExtractor:
     if key is None:
         return constant_key(FunctionKey(qualname))
     if isinstance(key, str):
@@ -110,17 +108,22 @@ def _serialize(
     key: str | Callable[..., Hashable] | None,
     queue: SerialQueue | None,
     timeout: float | None,
+    keys: str | Callable[..., Iterable[Hashable]] | None = None,
 ) -> Any:
     qualname = getattr(_underlying_function(fn), "__qualname__", repr(fn))
     _check_async(fn, qualname)
     if timeout is not None and not timeout >= 0:
         raise ValueError(f"@serialized timeout must be None or a number >= 0, got {timeout!r}")
-    extract = _make_extractor(key, fn, qualname)
     target: SerialQueue = default_queue() if queue is None else queue
+    if keys is not None:
+        if key is not None:
+            raise TypeError(f"@serialized on {qualname}: give key= or keys=, not both")
+        return _serialize_multi(fn, keys, target, timeout, qualname)
+    extract = _make_extractor(key, fn, qualname)
 
     def key_of(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         try:
-            call_key = extract(instance, args, kwargs)
+            call_key: Hashable = extract(instance, args, kwargs)
             hash(call_key)
         except Exception as exc:
             raise TypeError(f"{qualname}: could not get a hashable queue key: {exc}") from exc
@@ -146,6 +149,52 @@ def _serialize(
     return SerializedFunction(fn, route)
 
 
+def _serialize_multi(
+    fn: Any,
+    keys: str | Callable[..., Iterable[Hashable]],
+    target: SerialQueue,
+    timeout: float | None,
+    qualname: str,
+) -> Any:
+    lock_all = getattr(target, "lock_all", None)
+    if lock_all is None:
+        raise TypeError(f"@serialized on {qualname}: keys= needs a queue with lock_all()")
+    extract = _make_extractor(keys, fn, qualname)
+
+    def keys_of(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Hashable]:
+        try:
+            call_keys: list[Hashable] = list(extract(instance, args, kwargs))
+            for call_key in call_keys:
+                hash(call_key)
+        except Exception as exc:
+            raise TypeError(f"{qualname}: could not get hashable queue keys: {exc}") from exc
+        return call_keys
+
+    async def run_holding_all(
+        call_keys: list[Hashable],
+        wrapped: Callable[..., Coroutine[Any, Any, Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        async with lock_all(call_keys, timeout):
+            return await wrapped(*args, **kwargs)
+
+    def route(
+        wrapped: Callable[..., Coroutine[Any, Any, Any]],
+        instance: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Coroutine[Any, Any, Any]:
+        return run_holding_all(keys_of(instance, args, kwargs), wrapped, args, kwargs)
+
+    class SerializedFunction(_SerializedFunction):
+        def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+            return run_holding_all(keys_of(None, args, kwargs), fn, args, kwargs)
+
+    SerializedFunction.__qualname__ = SerializedFunction.__name__ = f"serialized[{qualname}]"
+    return SerializedFunction(fn, route)
+
+
 @overload
 def serialized(fn: AsyncFunction[P, R], /) -> AsyncFunction[P, R]: ...
 
@@ -156,6 +205,7 @@ def serialized(
     key: str | Callable[..., Hashable] | None = None,
     queue: SerialQueue | None = None,
     timeout: float | None = None,
+    keys: str | Callable[..., Iterable[Hashable]] | None = None,
 ) -> Callable[[AsyncFunction[P, R]], AsyncFunction[P, R]]: ...
 
 
@@ -166,6 +216,7 @@ def serialized(
     key: str | Callable[..., Hashable] | None = None,
     queue: SerialQueue | None = None,
     timeout: float | None = None,
+    keys: str | Callable[..., Iterable[Hashable]] | None = None,
 ) -> Any:
     """Decorate an ``async def`` function so that its calls run one at a time per key.
 
@@ -181,6 +232,9 @@ def serialized(
             keyword or default values; its position is found once, here); a
             callable that receives exactly the call's arguments, ``self`` or
             ``cls`` included; or ``None``, so that all calls share one key.
+        keys: instead of ``key``, how to get the several keys a call must hold
+            at once (a parameter name or a callable, as for ``key``, giving an
+            iterable of keys); see :meth:`KeyedSerialQueue.run_all`.
         queue: the queue to route calls through.
         timeout: bound, in seconds, on the wait for the turn only; on expiry the
             call raises the built-in :class:`TimeoutError` and never starts.
@@ -188,7 +242,8 @@ def serialized(
     Raises:
         TypeError: at decoration, ``fn`` is not an ``async def`` function (a sync
             function or an async generator function), or ``key`` is of the
-            wrong type. At call time, the key could not be produced or is not
+            wrong type, or both ``key`` and ``keys`` are given. At call time,
+            the key could not be produced or is not
             hashable (the message names the decorated function); nothing is
             registered then.
         ValueError: at decoration, ``key`` names no parameter of ``fn`` (or a
@@ -209,5 +264,5 @@ def serialized(
         ['a:partial', 'a:final']
     """
     if fn is not None:
-        return _serialize(fn, key, queue, timeout)
-    return functools.partial(_serialize, key=key, queue=queue, timeout=timeout)
+        return _serialize(fn, key, queue, timeout, keys)
+    return functools.partial(_serialize, key=key, queue=queue, timeout=timeout, keys=keys)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 
 class QueueClosed(RuntimeError):
@@ -42,3 +42,21 @@ class QueueFull(RuntimeError):
         super().__init__(f"key {key!r} already has {max_pending} pending calls (max_pending)")
         self.key = key
         self.max_pending = max_pending
+
+
+class DeadlockError(RuntimeError):
+    """Raised in the task whose wait for a key would close a cycle of tasks waiting on each other.
+
+    Instead of hanging, the call that would complete the cycle fails at once
+    (nothing of it stays registered); the other tasks in the cycle proceed.
+    ``keys`` and ``tasks`` name the cycle, in order.
+
+    Example:
+        >>> DeadlockError("deadlock: ...", keys=["a", "b"], tasks=[]).keys
+        ['a', 'b']
+    """
+
+    def __init__(self, message: str, *, keys: Sequence[Hashable], tasks: Sequence[object]) -> None:
+        super().__init__(message)
+        self.keys = list(keys)
+        self.tasks = list(tasks)

@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable, Hashable
 from typing import Any
 
-KeyExtractor = Callable[[Any, tuple[Any, ...], dict[str, Any]], Hashable]
+KeyExtractor = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
 _MISSING = object()
 

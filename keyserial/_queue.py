@@ -4,84 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
-from ._errors import QueueClosed, QueueFull
+from ._deadlock import check_no_cycle
+from ._errors import DeadlockError, QueueClosed
 from ._loops import get_running_loop, task_of
+from ._state import GRANTED, NEW_TASK, KeyState, MultiRegistration, Partition, Registration
 
 T = TypeVar("T")
 
 Task = asyncio.Task[Any]
 
-#: ``_KeyState.holder`` while the turn has been handed to a waiter that has not resumed yet.
-_GRANTED = object()
-#: The owner passed for ``submit``: its task does not exist yet, so it can hold nothing.
-_NEW_TASK = object()
-#: Dead waiters (cancelled or timed out) are dropped lazily; rebuild the deque once
-#: they outnumber the live ones by this much, so cancelling many stays linear.
-_COMPACT_SLACK = 32
-
-
-class _KeyState:
-    """A key that saw contention during its current busy period.
-
-    A key that is only ever used by one call at a time never gets one of these:
-    its partition entry is simply the holding task.
-    """
-
-    __slots__ = ("holder", "pending", "waiters")
-
-    def __init__(self, holder: object) -> None:
-        # The running task, _GRANTED, or None when free with only dead waiters left.
-        self.holder = holder
-        # Running plus waiting calls, counting waiters that died but have not resumed yet.
-        self.pending = 1
-        # Waiters in registration order; a done future is a dead waiter, skipped on hand-off.
-        self.waiters: deque[asyncio.Future[bool]] = deque()
-
-
-class _Registration(NamedTuple):
-    """A call registered on a busy key: what it waits on, and the timer bounding the wait."""
-
-    state: _KeyState
-    waiter: asyncio.Future[bool] | None
-    timer: asyncio.TimerHandle | None
-
-
-class _Partition(dict[Hashable, "Task | _KeyState"]):
-    """One event loop's share of a queue: key -> holding task, or ``_KeyState`` once contended."""
-
-    __slots__ = ("closed", "idle_waiters", "loop")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        super().__init__()
-        self.loop = loop
-        self.closed = False
-        self.idle_waiters: list[asyncio.Future[None]] = []
-
-    def forget(self, key: Hashable) -> None:
-        """Drop a key whose last registered call is gone, waking ``join`` if now idle."""
-        del self[key]
-        if not self and self.idle_waiters:
-            self.wake_idle()
-
-    def wake_idle(self) -> None:
-        waiters, self.idle_waiters = self.idle_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
 
 def _unhashable(key: object) -> TypeError:
     return TypeError(f"keyserial keys must be hashable, got {type(key).__name__}: {key!r}")
-
-
-def _expire(waiter: asyncio.Future[bool]) -> None:
-    if not waiter.done():
-        waiter.set_result(False)
 
 
 def _check_timeout(timeout: float | None) -> None:
@@ -137,10 +75,10 @@ class KeyedSerialQueue:
         ):
             raise ValueError(f"max_pending must be None or an int >= 1, got {max_pending!r}")
         self._max_pending = max_pending
-        self._partitions: dict[asyncio.AbstractEventLoop, _Partition] = {}
+        self._partitions: dict[asyncio.AbstractEventLoop, Partition] = {}
         # The last partition used; it carries its loop, so one read gives a consistent pair
         # even when threads with loops of their own share the queue.
-        self._cached = _Partition(None)
+        self._cached = Partition(None)
         self._switch_lock = threading.Lock()
 
     @property
@@ -150,7 +88,7 @@ class KeyedSerialQueue:
 
     # -- partitions -----------------------------------------------------------------------
 
-    def _partition(self, loop: asyncio.AbstractEventLoop) -> _Partition:
+    def _partition(self, loop: asyncio.AbstractEventLoop) -> Partition:
         part = self._cached
         if part.loop is loop:
             return part
@@ -161,132 +99,29 @@ class KeyedSerialQueue:
                 # loop unaffected by work it left registered, and frees what it held.
                 for stale in [old for old in self._partitions if old.is_closed()]:
                     del self._partitions[stale]
-                part = self._partitions[loop] = _Partition(loop)
+                part = self._partitions[loop] = Partition(loop)
             self._cached = part
         return part
 
-    def _inspected(self) -> _Partition:
+    def _inspected(self) -> Partition:
         try:
             loop = get_running_loop()
         except RuntimeError:
             return self._cached
         return self._partition(loop)
 
-    # -- registration ---------------------------------------------------------------------
-
-    def _register(
-        self,
-        part: _Partition,
-        key: Hashable,
-        holder: Task | _KeyState,
-        owner: object,
-        timeout: float | None,
-    ) -> _Registration | None:
-        """Register ``owner`` on the busy ``key``; ``None`` if ``owner`` holds it (re-entry).
-
-        The registration's future is ``None`` when the turn is free (only dead
-        waiters, not yet resumed, kept the state alive): the turn is taken at once.
-        """
-        if type(holder) is _KeyState:
-            state = holder
-            if state.holder is owner:
-                return None
-        elif holder is owner:
-            return None
-        else:
-            state = part[key] = _KeyState(holder)
-        if part.closed:
-            raise QueueClosed(f"queue is closed; cannot register key {key!r}")
-        if self._max_pending is not None and state.pending >= self._max_pending:
-            raise QueueFull(key, self._max_pending)
-        state.pending += 1
-        if state.holder is None:
-            state.holder = _GRANTED if owner is _NEW_TASK else owner
-            return _Registration(state, None, None)
-        loop: asyncio.AbstractEventLoop = part.loop  # type: ignore[assignment]
-        waiter: asyncio.Future[bool] = loop.create_future()
-        state.waiters.append(waiter)
-        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
-        return _Registration(state, waiter, timer)
-
-    def _give_up(self, part: _Partition, key: Hashable, registration: _Registration) -> None:
-        """The wait for the turn was interrupted (cancelled, or another BaseException)."""
-        if registration.timer is not None:
-            registration.timer.cancel()
-        self._abandon(part, key, registration.state, registration.waiter)
-
-    def _take_turn(
-        self, part: _Partition, key: Hashable, registration: _Registration, task: Task
-    ) -> None:
-        """The wait ended: take the turn, or raise TimeoutError if the timer ended it."""
-        state, waiter, timer = registration
-        if timer is not None:
-            timer.cancel()
-        if waiter is not None and not waiter.result():
-            self._abandon(part, key, state, waiter)
-            raise TimeoutError(f"timed out waiting for the turn of key {key!r}")
-        state.holder = task
-
-    async def _await_turn(
-        self, part: _Partition, key: Hashable, registration: _Registration
-    ) -> None:
+    async def _await_turn(self, part: Partition, key: Hashable, registration: Registration) -> None:
+        task: Task = asyncio.current_task()  # type: ignore[assignment]
         if registration.waiter is not None:
+            part.blocked[task] = (key,)
             try:
                 await registration.waiter
             except BaseException:
-                self._give_up(part, key, registration)
+                part.give_up(key, registration)
                 raise
-        self._take_turn(part, key, registration, asyncio.current_task())  # type: ignore[arg-type]
-
-    def _abandon(
-        self, part: _Partition, key: Hashable, state: _KeyState, waiter: asyncio.Future[bool] | None
-    ) -> None:
-        """A registered call gives up before running; ``waiter=None`` means it had the turn."""
-        if part.loop.is_closed():  # type: ignore[union-attr]
-            return  # a coroutine finalized after its loop closed: that share is gone
-        if waiter is None or (waiter.done() and not waiter.cancelled() and waiter.result()):
-            # The turn was handed over but its owner stopped before using it: pass it on.
-            self._release(part, key, state)
-            return
-        if not waiter.done():
-            waiter.cancel()
-        state.pending -= 1
-        if state.pending == 0:
-            part.forget(key)
-        elif len(state.waiters) > 2 * state.pending + _COMPACT_SLACK:
-            state.waiters = deque(w for w in state.waiters if not w.done())
-
-    def _release(self, part: _Partition, key: Hashable, state: _KeyState) -> None:
-        """End the current turn of a contended key: hand it to the next live waiter, if any."""
-        if part.loop.is_closed():  # type: ignore[union-attr]
-            return  # a coroutine finalized after its loop closed: that share is gone
-        state.pending -= 1
-        waiters = state.waiters
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                state.holder = _GRANTED
-                waiter.set_result(True)
-                return
-        state.holder = None
-        if state.pending == 0:
-            part.forget(key)
-
-    def _leave(self, part: _Partition, key: Hashable, task: Task) -> None:
-        held = part.pop(key)
-        if held is not task or part.idle_waiters:
-            self._after_turn(part, key, held, task)
-
-    def _after_turn(
-        self, part: _Partition, key: Hashable, held: Task | _KeyState, task: Task
-    ) -> None:
-        """Finish a turn whose entry ``held`` was popped: hand it on, or wake ``join``."""
-        if held is task:
-            if not part:
-                part.wake_idle()
-        else:
-            part[key] = held
-            self._release(part, key, held)  # type: ignore[arg-type]
+            finally:
+                del part.blocked[task]
+        part.take_turn(key, registration, task)
 
     # -- running calls --------------------------------------------------------------------
     #
@@ -334,16 +169,19 @@ class KeyedSerialQueue:
                 raise QueueClosed(f"queue is closed; cannot register key {key!r}")
             part[key] = task  # the uncontended path: one dict entry, nothing else
         else:
-            registration = self._register(part, key, holder, task, timeout)
+            registration = part.register(key, holder, task, timeout, self._max_pending)
             if registration is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
             if registration.waiter is not None:
+                part.blocked[task] = (key,)
                 try:
                     await registration.waiter
                 except BaseException:
-                    self._give_up(part, key, registration)
+                    part.give_up(key, registration)
                     raise
-            self._take_turn(part, key, registration, task)
+                finally:
+                    del part.blocked[task]
+            part.take_turn(key, registration, task)
         try:
             if kwargs:
                 return await fn(*args, **kwargs)
@@ -351,7 +189,7 @@ class KeyedSerialQueue:
         finally:
             held = part.pop(key)
             if held is not task or part.idle_waiters:
-                self._after_turn(part, key, held, task)
+                part.after_turn(key, held, task)
 
     async def call(
         self,
@@ -398,16 +236,19 @@ class KeyedSerialQueue:
                 raise QueueClosed(f"queue is closed; cannot register key {key!r}")
             part[key] = task  # the uncontended path: one dict entry, nothing else
         else:
-            registration = self._register(part, key, holder, task, timeout)
+            registration = part.register(key, holder, task, timeout, self._max_pending)
             if registration is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
             if registration.waiter is not None:
+                part.blocked[task] = (key,)
                 try:
                     await registration.waiter
                 except BaseException:
-                    self._give_up(part, key, registration)
+                    part.give_up(key, registration)
                     raise
-            self._take_turn(part, key, registration, task)
+                finally:
+                    del part.blocked[task]
+            part.take_turn(key, registration, task)
         try:
             if kwargs:
                 return await fn(*args, **kwargs)
@@ -415,7 +256,7 @@ class KeyedSerialQueue:
         finally:
             held = part.pop(key)
             if held is not task or part.idle_waiters:
-                self._after_turn(part, key, held, task)
+                part.after_turn(key, held, task)
 
     def submit(
         self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
@@ -457,10 +298,10 @@ class KeyedSerialQueue:
             raise _unhashable(key) from None
         if holder is None:
             # The task may start eagerly inside create_task, so the turn is reserved first.
-            state = part[key] = _KeyState(_GRANTED)
-            registration: _Registration | None = _Registration(state, None, None)
+            state = part[key] = KeyState(GRANTED)
+            registration: Registration | None = Registration(state, None, None)
         else:
-            registration = self._register(part, key, holder, _NEW_TASK, None)
+            registration = part.register(key, holder, NEW_TASK, None, self._max_pending)
         assert registration is not None  # a task that does not exist yet holds nothing
         submission = _Submission(self, part, key, registration)
         task = loop.create_task(submission.execute(fn, args, kwargs))
@@ -492,6 +333,105 @@ class KeyedSerialQueue:
         _check_timeout(timeout)
         return _KeyLock(self, key, timeout)
 
+    # -- several keys at once ---------------------------------------------------------------
+
+    def _entered(self, keys: Iterable[Hashable]) -> tuple[Partition, Task, tuple[Hashable, ...]]:
+        """The running loop's share, the current task and ``keys`` checked and deduplicated."""
+        loop = get_running_loop()
+        part = self._partition(loop)
+        task = task_of(loop)
+        if task is None:
+            raise RuntimeError("keyserial calls must run inside an asyncio task")
+        if isinstance(keys, (str, bytes)):
+            raise TypeError(f"keys must be an iterable of keys, not a single {type(keys).__name__}")
+        unique: dict[Hashable, None] = {}
+        for key in keys:
+            try:
+                unique[key] = None
+            except TypeError:
+                raise _unhashable(key) from None
+        if not unique:
+            raise ValueError("a multi-key call needs at least one key")
+        return part, task, tuple(unique)
+
+    async def _acquire_all(
+        self, keys: Iterable[Hashable], timeout: float | None
+    ) -> tuple[Partition, MultiRegistration]:
+        part, task, unique = self._entered(keys)
+        registration = part.register_all(unique, task, timeout, self._max_pending)
+        if registration.turn.missing:
+            part.blocked[task] = [
+                key for key in registration.keys if part.holder_of(key) is not registration.turn
+            ]
+            try:
+                await registration.turn.future
+            except BaseException:
+                part.give_up_all(registration)
+                raise
+            finally:
+                del part.blocked[task]
+        part.take_all(registration)
+        return part, registration
+
+    async def run_all(
+        self,
+        keys: Iterable[Hashable],
+        fn: Callable[..., Awaitable[T]],
+        /,
+        *args: Any,
+        **kwargs: Any,
+    ) -> T:
+        """Run ``await fn(*args, **kwargs)`` once it holds the turns of all ``keys``.
+
+        The call registers in every key's queue in one step, so multi-key calls
+        that name the same keys in different orders cannot deadlock each other,
+        and single-key calls on any of the keys keep their order with it.
+        Duplicate keys count once. Keys that the calling task already holds
+        (inside their turns) are not waited for.
+
+        Raises:
+            ValueError: ``keys`` is empty.
+            TypeError: ``keys`` is a string, or one of them is not hashable.
+            DeadlockError: waiting would close a cycle of tasks waiting on each other.
+            QueueClosed, QueueFull, RuntimeError: as for :meth:`run` (for any of the keys).
+
+        Example:
+            >>> import asyncio
+            >>> from keyserial import KeyedSerialQueue
+            >>> async def merge(src: str, dst: str) -> str:
+            ...     return f"{src} -> {dst}"
+            >>> asyncio.run(KeyedSerialQueue().run_all(["a", "b"], merge, "a", "b"))
+            'a -> b'
+        """
+        part, registration = await self._acquire_all(keys, None)
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            part.leave_all(registration)
+
+    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> _KeysLock:
+        """Hold the turns of all ``keys`` for the body of an ``async with`` block.
+
+        As :meth:`run_all`; ``timeout`` bounds only the wait for the turns.
+
+        Raises:
+            TimeoutError: the turns did not all come within ``timeout`` seconds.
+            ValueError: ``keys`` is empty, or ``timeout`` is negative.
+            TypeError, DeadlockError, QueueClosed, QueueFull: as for :meth:`run_all`.
+
+        Example:
+            >>> import asyncio
+            >>> from keyserial import KeyedSerialQueue
+            >>> async def main() -> list[bool]:
+            ...     queue = KeyedSerialQueue()
+            ...     async with queue.lock_all(["a", "b"]):
+            ...         return [queue.locked("a"), queue.locked("b")]
+            >>> asyncio.run(main())
+            [True, True]
+        """
+        _check_timeout(timeout)
+        return _KeysLock(self, keys, timeout)
+
     # -- inspection and shutdown ----------------------------------------------------------
 
     def pending(self, key: Hashable) -> int:
@@ -502,12 +442,7 @@ class KeyedSerialQueue:
             >>> KeyedSerialQueue().pending("nobody")
             0
         """
-        held = self._inspected().get(key)
-        if held is None:
-            return 0
-        if type(held) is _KeyState:
-            return held.pending
-        return 1
+        return self._inspected().pending_of(key)
 
     def locked(self, key: Hashable) -> bool:
         """Whether ``key``'s turn is currently held (granted to a call).
@@ -517,10 +452,7 @@ class KeyedSerialQueue:
             >>> KeyedSerialQueue().locked("nobody")
             False
         """
-        held = self._inspected().get(key)
-        if type(held) is _KeyState:
-            return held.holder is not None
-        return held is not None
+        return self._inspected().holder_of(key) is not None
 
     def __len__(self) -> int:
         """Number of keys with registered work in the running loop's share."""
@@ -592,7 +524,7 @@ class _Submission:
     __slots__ = ("key", "part", "queue", "registration", "started")
 
     def __init__(
-        self, queue: KeyedSerialQueue, part: _Partition, key: Hashable, registration: _Registration
+        self, queue: KeyedSerialQueue, part: Partition, key: Hashable, registration: Registration
     ) -> None:
         self.queue = queue
         self.part = part
@@ -605,16 +537,24 @@ class _Submission:
     ) -> T:
         self.started = True
         queue, part, key = self.queue, self.part, self.key
+        if self.registration.waiter is not None:
+            # Checked now rather than in submit(): by its first step, a holder that submitted
+            # this task may already be awaiting it, which is a cycle.
+            try:
+                check_no_cycle(part, asyncio.current_task(), (key,))  # type: ignore[arg-type]
+            except DeadlockError:
+                part.give_up(key, self.registration)
+                raise
         await queue._await_turn(part, key, self.registration)
         try:
             return await fn(*args, **kwargs)
         finally:
-            queue._release(part, key, self.registration.state)
+            part.release(key, self.registration.state)
 
     def withdraw_if_unstarted(self, task: asyncio.Task[Any]) -> None:
         # A task cancelled before its first step never runs execute()'s cleanup.
         if not self.started:
-            self.queue._give_up(self.part, self.key, self.registration)
+            self.part.give_up(self.key, self.registration)
 
 
 class _KeyLock:
@@ -626,7 +566,7 @@ class _KeyLock:
         self._queue = queue
         self._key = key
         self._timeout = timeout
-        self._part: _Partition | None = None
+        self._part: Partition | None = None
         self._task: Task | None = None
 
     async def __aenter__(self) -> None:
@@ -647,7 +587,7 @@ class _KeyLock:
                 raise QueueClosed(f"queue is closed; cannot register key {key!r}")
             part[key] = task
         else:
-            registration = queue._register(part, key, holder, task, self._timeout)
+            registration = part.register(key, holder, task, self._timeout, queue._max_pending)
             if registration is None:
                 return  # re-entry: the outer turn stays in charge of releasing
             await queue._await_turn(part, key, registration)
@@ -662,4 +602,34 @@ class _KeyLock:
         part, task = self._part, self._task
         if part is not None and task is not None:
             self._part = self._task = None
-            self._queue._leave(part, self._key, task)
+            part.leave(self._key, task)
+
+
+class _KeysLock:
+    """The async context manager returned by :meth:`KeyedSerialQueue.lock_all`."""
+
+    __slots__ = ("_held", "_keys", "_queue", "_timeout")
+
+    def __init__(
+        self, queue: KeyedSerialQueue, keys: Iterable[Hashable], timeout: float | None
+    ) -> None:
+        self._queue = queue
+        self._keys = keys
+        self._timeout = timeout
+        self._held: tuple[Partition, MultiRegistration] | None = None
+
+    async def __aenter__(self) -> None:
+        if self._held is not None:
+            raise RuntimeError("a keyserial lock_all() object cannot be entered twice at once")
+        self._held = await self._queue._acquire_all(self._keys, self._timeout)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._held is not None:
+            part, registration = self._held
+            self._held = None
+            part.leave_all(registration)

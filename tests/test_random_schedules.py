@@ -17,7 +17,7 @@ class Boom(Exception):
     """The failure a call raises on purpose; carries the call id."""
 
 
-async def run_schedule(seed: int, calls: int, keys: int) -> None:
+async def run_schedule(seed: int, calls: int, keys: int, multi_key: bool = False) -> None:
     rng = random.Random(seed)
     queue = KeyedSerialQueue()
     active: dict[int, int] = defaultdict(int)
@@ -25,16 +25,19 @@ async def run_schedule(seed: int, calls: int, keys: int) -> None:
     registrations: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     overlaps: list[tuple[int, int]] = []
 
-    async def body(call_id: int, key: int, steps: int, fail: bool) -> int:
-        active[key] += 1
-        if active[key] != 1:
-            overlaps.append((key, call_id))
-        starts[key].append(call_id)
+    async def body(call_id: int, key: int | tuple[int, ...], steps: int, fail: bool) -> int:
+        held = key if isinstance(key, tuple) else (key,)
+        for k in held:
+            active[k] += 1
+            if active[k] != 1:
+                overlaps.append((k, call_id))
+            starts[k].append(call_id)
         try:
             for _ in range(steps):
                 await asyncio.sleep(0)
         finally:
-            active[key] -= 1
+            for k in held:
+                active[k] -= 1
         if fail:
             raise Boom(call_id)
         return call_id
@@ -42,10 +45,16 @@ async def run_schedule(seed: int, calls: int, keys: int) -> None:
     tasks: list[asyncio.Task[Any]] = []
     epoch = 0
     for call_id in range(calls):
-        key = rng.randrange(keys)
-        args = (call_id, key, rng.choice([0, 0, 1, 2, 5]), rng.random() < 0.2)
+        key: int | tuple[int, ...] = rng.randrange(keys)
         kind = rng.random()
-        if kind < 0.3:
+        if multi_key and kind > 0.75:
+            key = tuple(rng.sample(range(keys), min(keys, rng.choice([2, 3]))))
+        args = (call_id, key, rng.choice([0, 0, 1, 2, 5]), rng.random() < 0.2)
+        if isinstance(key, tuple):
+            tasks.append(asyncio.create_task(queue.run_all(key, body, *args)))
+            for k in key:
+                registrations[k].append((epoch, 1, call_id))
+        elif kind < 0.3:
             tasks.append(queue.submit(key, body, *args))
             order = 0  # registers now
         elif kind < 0.45:
@@ -55,7 +64,8 @@ async def run_schedule(seed: int, calls: int, keys: int) -> None:
         else:
             tasks.append(asyncio.create_task(queue.run(key, body, *args)))
             order = 1
-        registrations[key].append((epoch, order, call_id))
+        if not isinstance(key, tuple):
+            registrations[key].append((epoch, order, call_id))
         if rng.random() < 0.08:
             rng.choice(tasks).cancel()
         if rng.random() < 0.3:
@@ -88,5 +98,16 @@ def test_random_schedules_keep_the_contract(seed: int, keys: int) -> None:
     async def guarded() -> None:
         # A deadlock must fail this example (so that hypothesis can shrink it), not hang.
         await asyncio.wait_for(run_schedule(seed, calls=1500, keys=keys), timeout=30)
+
+    asyncio.run(guarded())
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), keys=st.sampled_from([2, 3, 8, 50]))
+def test_random_multi_key_schedules_keep_the_contract(seed: int, keys: int) -> None:
+    async def guarded() -> None:
+        await asyncio.wait_for(
+            run_schedule(seed, calls=1500, keys=keys, multi_key=True), timeout=30
+        )
 
     asyncio.run(guarded())

@@ -1,0 +1,313 @@
+"""One event loop's share of a queue: who holds each key's turn, and who waits for it.
+
+A key used by one call at a time is a single dict entry, the holding task. The
+first time a call has to wait for the key, the entry becomes a ``KeyState``
+holding the waiters in registration order; it is dropped with the key once the
+last registered call is gone. A waiter is a future (one key) or a ``MultiTurn``
+(several keys, registered on all of them in one step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+from ._deadlock import check_no_cycle
+from ._errors import QueueClosed, QueueFull
+
+Task = asyncio.Task[Any]
+
+#: ``KeyState.holder`` while the turn has been handed to a single-key waiter that has not
+#: resumed yet.
+GRANTED = object()
+#: The owner passed for ``submit``: its task does not exist yet, so it holds nothing.
+NEW_TASK = object()
+#: Dead waiters (cancelled or timed out) are dropped lazily; the deque is rebuilt once
+#: they outnumber the live ones by this much, so cancelling many stays linear.
+COMPACT_SLACK = 32
+
+
+class MultiTurn:
+    """A call waiting for several keys; it runs once it holds all of them."""
+
+    __slots__ = ("future", "missing", "task")
+
+    def __init__(self, future: asyncio.Future[bool], task: Task) -> None:
+        self.future = future
+        self.task = task
+        self.missing = 0  # keys still to be handed to it
+
+
+Waiter = "asyncio.Future[bool] | MultiTurn"
+
+
+class KeyState:
+    """A key that saw contention during its current busy period."""
+
+    __slots__ = ("holder", "pending", "waiters")
+
+    def __init__(self, holder: object) -> None:
+        # The running task, GRANTED, a MultiTurn collecting its keys, or None when the turn
+        # is free and only dead waiters (not yet resumed) keep the state alive.
+        self.holder = holder
+        # Running plus waiting calls, counting dead waiters that have not resumed yet.
+        self.pending = 1
+        # Waiters in registration order; a done future marks a dead one, skipped on hand-off.
+        self.waiters: deque[asyncio.Future[bool] | MultiTurn] = deque()
+
+
+class Registration(NamedTuple):
+    """A single-key call registered on a busy key."""
+
+    state: KeyState
+    waiter: asyncio.Future[bool] | None  # None: the turn was free and is taken at once
+    timer: asyncio.TimerHandle | None
+
+
+class MultiRegistration(NamedTuple):
+    """A multi-key call: the keys it had to acquire (not those it already held)."""
+
+    turn: MultiTurn
+    keys: tuple[Hashable, ...]
+    timer: asyncio.TimerHandle | None
+
+
+def _expire(future: asyncio.Future[bool]) -> None:
+    if not future.done():
+        future.set_result(False)
+
+
+def _dead(waiter: asyncio.Future[bool] | MultiTurn) -> bool:
+    return (waiter.future if type(waiter) is MultiTurn else waiter).done()  # type: ignore[union-attr]
+
+
+class Partition(dict[Hashable, "Task | KeyState"]):
+    """One event loop's share of a queue: key -> holding task, or ``KeyState`` once contended."""
+
+    __slots__ = ("blocked", "closed", "idle_waiters", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        super().__init__()
+        self.loop = loop
+        self.closed = False
+        self.idle_waiters: list[asyncio.Future[None]] = []
+        # Tasks waiting for a turn, and the keys they wait for: the deadlock check's graph.
+        self.blocked: dict[Task, Sequence[Hashable]] = {}
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def forget(self, key: Hashable) -> None:
+        """Drop a key whose last registered call is gone, waking ``join`` if now idle."""
+        del self[key]
+        if not self and self.idle_waiters:
+            self.wake_idle()
+
+    def wake_idle(self) -> None:
+        waiters, self.idle_waiters = self.idle_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def holder_of(self, key: Hashable) -> object:
+        held = self.get(key)
+        return held.holder if type(held) is KeyState else held
+
+    def pending_of(self, key: Hashable) -> int:
+        held = self.get(key)
+        if held is None:
+            return 0
+        return held.pending if type(held) is KeyState else 1
+
+    def _contended(self, key: Hashable, held: Task | KeyState) -> KeyState:
+        if type(held) is KeyState:
+            return held
+        state = self[key] = KeyState(held)
+        return state
+
+    # -- single-key registration ----------------------------------------------------------
+
+    def register(
+        self,
+        key: Hashable,
+        held: Task | KeyState,
+        owner: object,
+        timeout: float | None,
+        max_pending: int | None,
+    ) -> Registration | None:
+        """Register ``owner`` on the busy ``key``; ``None`` if ``owner`` holds it (re-entry).
+
+        Raises QueueClosed, QueueFull, or DeadlockError if waiting would close a cycle.
+        """
+        holder = held.holder if type(held) is KeyState else held
+        if holder is owner:
+            return None
+        if self.closed:
+            raise QueueClosed(f"queue is closed; cannot register key {key!r}")
+        pending = held.pending if type(held) is KeyState else 1
+        if max_pending is not None and pending >= max_pending:
+            raise QueueFull(key, max_pending)
+        if holder is not None and owner is not NEW_TASK:
+            check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
+        state = self._contended(key, held)
+        state.pending += 1
+        if state.holder is None:
+            state.holder = GRANTED if owner is NEW_TASK else owner
+            return Registration(state, None, None)
+        loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
+        waiter: asyncio.Future[bool] = loop.create_future()
+        state.waiters.append(waiter)
+        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
+        return Registration(state, waiter, timer)
+
+    def give_up(self, key: Hashable, registration: Registration) -> None:
+        """The wait for the turn was interrupted (cancelled, or another BaseException)."""
+        if registration.timer is not None:
+            registration.timer.cancel()
+        self.abandon(key, registration.state, registration.waiter)
+
+    def take_turn(self, key: Hashable, registration: Registration, task: Task) -> None:
+        """The wait ended: take the turn, or raise TimeoutError if the timer ended it."""
+        state, waiter, timer = registration
+        if timer is not None:
+            timer.cancel()
+        if waiter is not None and waiter.result() is not True:
+            self.abandon(key, state, waiter)
+            raise TimeoutError(f"timed out waiting for the turn of key {key!r}")
+        state.holder = task
+
+    def abandon(self, key: Hashable, state: KeyState, waiter: asyncio.Future[bool] | None) -> None:
+        """A registered call gives up before running; ``waiter=None`` means it had the turn."""
+        if self.loop.is_closed():  # type: ignore[union-attr]
+            return  # a coroutine finalized after its loop closed: that share is gone
+        if waiter is None or (waiter.done() and not waiter.cancelled() and waiter.result() is True):
+            # The turn was handed over but its owner stopped before using it: pass it on.
+            self.release(key, state)
+            return
+        if not waiter.done():
+            waiter.cancel()
+        self._drop_dead_waiter(key, state)
+
+    def _drop_dead_waiter(self, key: Hashable, state: KeyState) -> None:
+        state.pending -= 1
+        if state.pending == 0:
+            self.forget(key)
+        elif len(state.waiters) > 2 * state.pending + COMPACT_SLACK:
+            state.waiters = deque(w for w in state.waiters if not _dead(w))
+
+    def release(self, key: Hashable, state: KeyState) -> None:
+        """End the current turn of a contended key: hand it to the next live waiter, if any."""
+        if self.loop.is_closed():  # type: ignore[union-attr]
+            return  # a coroutine finalized after its loop closed: that share is gone
+        state.pending -= 1
+        waiters = state.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if type(waiter) is MultiTurn:
+                if waiter.future.done():
+                    continue
+                state.holder = waiter
+                waiter.missing -= 1
+                if waiter.missing == 0:
+                    waiter.future.set_result(True)
+                return
+            if not waiter.done():  # type: ignore[union-attr]
+                state.holder = GRANTED
+                waiter.set_result(True)  # type: ignore[union-attr]
+                return
+        state.holder = None
+        if state.pending == 0:
+            self.forget(key)
+
+    def leave(self, key: Hashable, task: Task) -> None:
+        """End ``task``'s turn of ``key``."""
+        held = self.pop(key)
+        if held is not task or self.idle_waiters:
+            self.after_turn(key, held, task)
+
+    def after_turn(self, key: Hashable, held: Task | KeyState, task: Task) -> None:
+        """Finish a turn whose entry ``held`` was popped: hand it on, or wake ``join``."""
+        if held is task:
+            if not self:
+                self.wake_idle()
+        else:
+            self[key] = held
+            self.release(key, held)  # type: ignore[arg-type]
+
+    # -- multi-key registration -----------------------------------------------------------
+
+    def register_all(
+        self,
+        keys: Sequence[Hashable],
+        task: Task,
+        timeout: float | None,
+        max_pending: int | None,
+    ) -> MultiRegistration:
+        """Register ``task`` on every key it does not hold yet, in one step.
+
+        Because a multi-key call takes its place in all its keys' queues at
+        once, registration order is one order across keys, and the earliest
+        registered call is always first in line for every key it needs: no
+        cycle of multi-key calls can wait on itself.
+        """
+        needed = tuple(key for key in keys if self.holder_of(key) is not task)
+        if needed and self.closed:
+            raise QueueClosed(f"queue is closed; cannot register keys {list(needed)!r}")
+        for key in needed:
+            if max_pending is not None and self.pending_of(key) >= max_pending:
+                raise QueueFull(key, max_pending)
+        busy = tuple(key for key in needed if self.holder_of(key) is not None)
+        if busy:
+            check_no_cycle(self, task, busy)
+        loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
+        turn = MultiTurn(loop.create_future(), task)
+        for key in needed:
+            held = self.get(key)
+            if held is None:
+                self[key] = KeyState(turn)
+                continue
+            state = self._contended(key, held)
+            state.pending += 1
+            if state.holder is None:
+                state.holder = turn
+            else:
+                state.waiters.append(turn)
+                turn.missing += 1
+        if turn.missing == 0:
+            turn.future.set_result(True)
+        timer = None
+        if timeout is not None and turn.missing:
+            timer = loop.call_later(timeout, _expire, turn.future)
+        return MultiRegistration(turn, needed, timer)
+
+    def take_all(self, registration: MultiRegistration) -> None:
+        """The multi-key wait ended: take every turn, or raise TimeoutError."""
+        turn, keys, timer = registration
+        if timer is not None:
+            timer.cancel()
+        if turn.future.result() is not True:
+            self.give_up_all(registration)
+            raise TimeoutError(f"timed out waiting for the turns of keys {list(keys)!r}")
+        for key in keys:
+            self[key].holder = turn.task  # type: ignore[union-attr]
+
+    def give_up_all(self, registration: MultiRegistration) -> None:
+        """A multi-key call stops before running: pass on what it holds, leave the rest."""
+        turn, keys, timer = registration
+        if timer is not None:
+            timer.cancel()
+        if self.loop.is_closed():  # type: ignore[union-attr]
+            return
+        if not turn.future.done():
+            turn.future.cancel()
+        for key in keys:
+            state: KeyState = self[key]  # type: ignore[assignment]
+            if state.holder is turn or state.holder is turn.task:
+                self.release(key, state)
+            else:
+                self._drop_dead_waiter(key, state)
+
+    def leave_all(self, registration: MultiRegistration) -> None:
+        for key in registration.keys:
+            self.release(key, self[key])  # type: ignore[arg-type]

@@ -1,0 +1,133 @@
+"""Deadlock detection: the task that would close a cycle gets DeadlockError instead of a hang."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from keyserial import DeadlockError, KeyedSerialQueue
+
+from .scheduling import settle
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_nested_single_keys_in_opposite_order() -> None:
+    queue = KeyedSerialQueue()
+    both_hold_one = asyncio.Event()
+    holding: list[str] = []
+    log: list[str] = []
+
+    async def nested(first: str, second: str) -> str:
+        async def inner() -> None:
+            log.append(f"{first} then {second}")
+
+        async def outer() -> None:
+            holding.append(first)
+            if len(holding) == 2:
+                both_hold_one.set()
+            await both_hold_one.wait()
+            await queue.run(second, inner)
+
+        await queue.run(first, outer)
+        return first
+
+    ab = asyncio.create_task(nested("a", "b"), name="ab")
+    ba = asyncio.create_task(nested("b", "a"), name="ba")
+    done, _ = await asyncio.wait([ab, ba], timeout=5)
+    assert len(done) == 2
+    errors = [t.exception() for t in (ab, ba) if t.exception() is not None]
+    assert len(errors) == 1
+    error = errors[0]
+    assert isinstance(error, DeadlockError)
+    assert sorted(map(str, error.keys)) == ["a", "b"]
+    assert {t.get_name() for t in error.tasks} == {"ab", "ba"}  # type: ignore[attr-defined]
+    assert "'ab'" in str(error) and "'ba'" in str(error)
+    # The other task proceeded and finished its nested call.
+    assert len(log) == 1
+    assert len(queue) == 0
+
+
+async def test_awaiting_a_child_that_queues_for_my_key() -> None:
+    queue = KeyedSerialQueue()
+
+    async def child_work() -> None:
+        raise AssertionError("the child must not get the turn while its parent holds it")
+
+    async def parent() -> None:
+        child = asyncio.create_task(queue.run("k", child_work), name="child")
+        await child  # the parent awaits a task that waits for the parent's own key
+
+    with pytest.raises(DeadlockError, match="awaits task 'child'") as info:
+        await asyncio.wait_for(queue.run("k", parent), timeout=5)
+    assert info.value.keys == ["k"]
+    assert len(queue) == 0
+
+
+async def test_awaiting_a_submitted_task_for_my_key() -> None:
+    queue = KeyedSerialQueue()
+
+    async def work() -> str:
+        return "ran"
+
+    async def parent() -> None:
+        await queue.submit("k", work)
+
+    with pytest.raises(DeadlockError):
+        await asyncio.wait_for(queue.run("k", parent), timeout=5)
+    assert len(queue) == 0
+
+
+async def test_three_task_cycle_through_multi_and_single_keys() -> None:
+    queue = KeyedSerialQueue()
+    ready = asyncio.Event()
+    holders: list[str] = []
+
+    async def hold_then_want(mine: str, wanted: list[str]) -> None:
+        async def nothing() -> None:
+            return None
+
+        async def body() -> None:
+            holders.append(mine)
+            if len(holders) == 3:
+                ready.set()
+            await ready.wait()
+            await queue.run_all(wanted, nothing)
+
+        await queue.run(mine, body)
+
+    tasks = [
+        asyncio.create_task(hold_then_want("a", ["b"]), name="t1"),
+        asyncio.create_task(hold_then_want("b", ["c", "x"]), name="t2"),
+        asyncio.create_task(hold_then_want("c", ["a"]), name="t3"),
+    ]
+    done, _ = await asyncio.wait(tasks, timeout=5)
+    assert len(done) == 3
+    errors = [t.exception() for t in tasks if t.exception() is not None]
+    assert len(errors) == 1 and isinstance(errors[0], DeadlockError)
+    assert len(errors[0].tasks) == 3
+    assert len(queue) == 0
+
+
+async def test_plain_contention_is_not_a_deadlock() -> None:
+    queue = KeyedSerialQueue()
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        await gate.wait()
+
+    async def parent() -> None:
+        # A chain of holders waiting for each other that does not come back to us.
+        async def noop() -> None:
+            return None
+
+        await queue.run("b", noop)
+
+    holder = asyncio.create_task(queue.run("b", hold))
+    await settle()
+    waiter = asyncio.create_task(queue.run("a", parent))
+    await settle()
+    assert not waiter.done()
+    gate.set()
+    await asyncio.gather(holder, waiter)

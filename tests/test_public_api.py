@@ -1,0 +1,51 @@
+"""The public API: the names the project promises, each documented."""
+
+from __future__ import annotations
+
+import inspect
+
+import keyserial
+
+
+def test_public_names() -> None:
+    assert set(keyserial.__all__) >= {
+        "KeyedSerialQueue",
+        "serialized",
+        "default_queue",
+        "QueueFull",
+        "QueueClosed",
+    }
+    for name in keyserial.__all__:
+        assert hasattr(keyserial, name), name
+
+
+def _public_members(obj: object) -> list[tuple[str, object]]:
+    if not inspect.isclass(obj):
+        return []
+    return [
+        (name, member)
+        for name, member in vars(obj).items()
+        if not name.startswith("_") and (callable(member) or isinstance(member, property))
+    ]
+
+
+def test_every_public_name_and_method_has_a_docstring() -> None:
+    missing = []
+    for name in keyserial.__all__:
+        obj = getattr(keyserial, name)
+        if not (inspect.getdoc(obj) or "").strip():
+            missing.append(name)
+        for member_name, member in _public_members(obj):
+            if not (inspect.getdoc(member) or "").strip():
+                missing.append(f"{name}.{member_name}")
+    assert missing == []
+
+
+def test_callables_document_what_they_raise() -> None:
+    # Every public callable that can fail on bad input says so in a "Raises:" section.
+    queue_methods = ["run", "call", "submit", "lock"]
+    documented = [keyserial.serialized, keyserial.KeyedSerialQueue] + [
+        getattr(keyserial.KeyedSerialQueue, name) for name in queue_methods
+    ]
+    for obj in documented:
+        assert "Raises:" in (inspect.getdoc(obj) or ""), obj
