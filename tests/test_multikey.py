@@ -45,7 +45,7 @@ async def test_multi_key_call_holds_every_key_until_it_ends() -> None:
     assert rec.log[2:] == ["end merge", "start on a", "start on b"]
     for name in ("on a", "on b", "on c"):
         rec.gate(name).set()
-    assert await asyncio.gather(merge, on_a, on_b, on_c) == ["merge", "on a", "on b", "on c"]
+    assert list(await asyncio.gather(merge, on_a, on_b, on_c)) == ["merge", "on a", "on b", "on c"]
     assert len(queue) == 0
 
 
@@ -233,4 +233,4 @@ async def test_serialized_with_keys() -> None:
     await asyncio.gather(first, second, on_b)
     assert log == ["merge a->b", "merge b->a", "touch b"]
     with pytest.raises(TypeError, match="not both"):
-        serialized(key="src", keys="src")(merge)  # type: ignore[call-overload]
+        serialized(key="src", keys="src")(merge)
