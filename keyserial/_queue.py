@@ -49,6 +49,9 @@ class KeyedSerialQueue:
         max_pending: per-key bound on running plus waiting calls; the call that
             would exceed it raises :class:`QueueFull` at once. ``None`` means
             unbounded.
+        detect_deadlocks: check, whenever a call must wait, that the wait does
+            not close a cycle of tasks waiting on each other, and raise
+            :class:`DeadlockError` instead of hanging. Only waiting calls pay.
 
     Raises:
         ValueError: ``max_pending`` is not ``None`` or an int >= 1.
@@ -67,18 +70,19 @@ class KeyedSerialQueue:
         ['a', 'b', 'c']
     """
 
-    __slots__ = ("_cached", "_max_pending", "_partitions", "_switch_lock")
+    __slots__ = ("_cached", "_detect_deadlocks", "_max_pending", "_partitions", "_switch_lock")
 
-    def __init__(self, max_pending: int | None = None) -> None:
+    def __init__(self, max_pending: int | None = None, *, detect_deadlocks: bool = True) -> None:
         if max_pending is not None and (
             isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1
         ):
             raise ValueError(f"max_pending must be None or an int >= 1, got {max_pending!r}")
         self._max_pending = max_pending
+        self._detect_deadlocks = detect_deadlocks
         self._partitions: dict[asyncio.AbstractEventLoop, Partition] = {}
         # The last partition used; it carries its loop, so one read gives a consistent pair
         # even when threads with loops of their own share the queue.
-        self._cached = Partition(None)
+        self._cached = Partition(None, detect_deadlocks)
         self._switch_lock = threading.Lock()
 
     @property
@@ -99,7 +103,7 @@ class KeyedSerialQueue:
                 # loop unaffected by work it left registered, and frees what it held.
                 for stale in [old for old in self._partitions if old.is_closed()]:
                     del self._partitions[stale]
-                part = self._partitions[loop] = Partition(loop)
+                part = self._partitions[loop] = Partition(loop, self._detect_deadlocks)
             self._cached = part
         return part
 
@@ -113,14 +117,11 @@ class KeyedSerialQueue:
     async def _await_turn(self, part: Partition, key: Hashable, registration: Registration) -> None:
         task: Task = asyncio.current_task()  # type: ignore[assignment]
         if registration.waiter is not None:
-            part.blocked[task] = (key,)
             try:
                 await registration.waiter
             except BaseException:
-                part.give_up(key, registration)
+                part.give_up(key, registration, task)
                 raise
-            finally:
-                del part.blocked[task]
         part.take_turn(key, registration, task)
 
     # -- running calls --------------------------------------------------------------------
@@ -173,14 +174,11 @@ class KeyedSerialQueue:
             if registration is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
             if registration.waiter is not None:
-                part.blocked[task] = (key,)
                 try:
                     await registration.waiter
                 except BaseException:
-                    part.give_up(key, registration)
+                    part.give_up(key, registration, task)
                     raise
-                finally:
-                    del part.blocked[task]
             part.take_turn(key, registration, task)
         try:
             if kwargs:
@@ -240,14 +238,11 @@ class KeyedSerialQueue:
             if registration is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
             if registration.waiter is not None:
-                part.blocked[task] = (key,)
                 try:
                     await registration.waiter
                 except BaseException:
-                    part.give_up(key, registration)
+                    part.give_up(key, registration, task)
                     raise
-                finally:
-                    del part.blocked[task]
             part.take_turn(key, registration, task)
         try:
             if kwargs:
@@ -360,16 +355,11 @@ class KeyedSerialQueue:
         part, task, unique = self._entered(keys)
         registration = part.register_all(unique, task, timeout, self._max_pending)
         if registration.turn.missing:
-            part.blocked[task] = [
-                key for key in registration.keys if part.holder_of(key) is not registration.turn
-            ]
             try:
                 await registration.turn.future
             except BaseException:
                 part.give_up_all(registration)
                 raise
-            finally:
-                del part.blocked[task]
         part.take_all(registration)
         return part, registration
 
@@ -537,14 +527,16 @@ class _Submission:
     ) -> T:
         self.started = True
         queue, part, key = self.queue, self.part, self.key
-        if self.registration.waiter is not None:
+        if self.registration.waiter is not None and part.detect_deadlocks:
             # Checked now rather than in submit(): by its first step, a holder that submitted
             # this task may already be awaiting it, which is a cycle.
+            task: Task = asyncio.current_task()  # type: ignore[assignment]
             try:
-                check_no_cycle(part, asyncio.current_task(), (key,))  # type: ignore[arg-type]
+                check_no_cycle(part, task, (key,))
             except DeadlockError:
-                part.give_up(key, self.registration)
+                part.give_up(key, self.registration, task)
                 raise
+            part.blocked[task] = (key,)
         await queue._await_turn(part, key, self.registration)
         try:
             return await fn(*args, **kwargs)
@@ -554,7 +546,7 @@ class _Submission:
     def withdraw_if_unstarted(self, task: asyncio.Task[Any]) -> None:
         # A task cancelled before its first step never runs execute()'s cleanup.
         if not self.started:
-            self.part.give_up(self.key, self.registration)
+            self.part.give_up(self.key, self.registration, None)
 
 
 class _KeyLock:

@@ -86,14 +86,16 @@ def _dead(waiter: asyncio.Future[bool] | MultiTurn) -> bool:
 class Partition(dict[Hashable, "Task | KeyState"]):
     """One event loop's share of a queue: key -> holding task, or ``KeyState`` once contended."""
 
-    __slots__ = ("blocked", "closed", "idle_waiters", "loop")
+    __slots__ = ("blocked", "closed", "detect_deadlocks", "idle_waiters", "loop")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, detect_deadlocks: bool) -> None:
         super().__init__()
         self.loop = loop
         self.closed = False
         self.idle_waiters: list[asyncio.Future[None]] = []
-        # Tasks waiting for a turn, and the keys they wait for: the deadlock check's graph.
+        self.detect_deadlocks = detect_deadlocks
+        # Tasks waiting for a turn, and the keys they wait for: the deadlock check's graph
+        # (kept only while deadlocks are detected).
         self.blocked: dict[Task, Sequence[Hashable]] = {}
 
     # -- bookkeeping ----------------------------------------------------------------------
@@ -148,7 +150,8 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         pending = held.pending if type(held) is KeyState else 1
         if max_pending is not None and pending >= max_pending:
             raise QueueFull(key, max_pending)
-        if holder is not None and owner is not NEW_TASK:
+        detect = holder is not None and owner is not NEW_TASK and self.detect_deadlocks
+        if detect:
             check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
         state = self._contended(key, held)
         state.pending += 1
@@ -158,17 +161,23 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
         waiter: asyncio.Future[bool] = loop.create_future()
         state.waiters.append(waiter)
+        if detect:
+            self.blocked[owner] = (key,)  # type: ignore[index]
         timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
         return Registration(state, waiter, timer)
 
-    def give_up(self, key: Hashable, registration: Registration) -> None:
+    def give_up(self, key: Hashable, registration: Registration, task: Task | None) -> None:
         """The wait for the turn was interrupted (cancelled, or another BaseException)."""
+        if self.blocked:
+            self.blocked.pop(task, None)  # type: ignore[arg-type]
         if registration.timer is not None:
             registration.timer.cancel()
         self.abandon(key, registration.state, registration.waiter)
 
     def take_turn(self, key: Hashable, registration: Registration, task: Task) -> None:
         """The wait ended: take the turn, or raise TimeoutError if the timer ended it."""
+        if self.blocked:
+            self.blocked.pop(task, None)
         state, waiter, timer = registration
         if timer is not None:
             timer.cancel()
@@ -258,7 +267,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             if max_pending is not None and self.pending_of(key) >= max_pending:
                 raise QueueFull(key, max_pending)
         busy = tuple(key for key in needed if self.holder_of(key) is not None)
-        if busy:
+        if busy and self.detect_deadlocks:
             check_no_cycle(self, task, busy)
         loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
         turn = MultiTurn(loop.create_future(), task)
@@ -276,6 +285,8 @@ class Partition(dict[Hashable, "Task | KeyState"]):
                 turn.missing += 1
         if turn.missing == 0:
             turn.future.set_result(True)
+        elif self.detect_deadlocks:
+            self.blocked[task] = busy
         timer = None
         if timeout is not None and turn.missing:
             timer = loop.call_later(timeout, _expire, turn.future)
@@ -284,6 +295,8 @@ class Partition(dict[Hashable, "Task | KeyState"]):
     def take_all(self, registration: MultiRegistration) -> None:
         """The multi-key wait ended: take every turn, or raise TimeoutError."""
         turn, keys, timer = registration
+        if self.blocked:
+            self.blocked.pop(turn.task, None)
         if timer is not None:
             timer.cancel()
         if turn.future.result() is not True:
@@ -295,6 +308,8 @@ class Partition(dict[Hashable, "Task | KeyState"]):
     def give_up_all(self, registration: MultiRegistration) -> None:
         """A multi-key call stops before running: pass on what it holds, leave the rest."""
         turn, keys, timer = registration
+        if self.blocked:
+            self.blocked.pop(turn.task, None)
         if timer is not None:
             timer.cancel()
         if self.loop.is_closed():  # type: ignore[union-attr]

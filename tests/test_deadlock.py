@@ -131,3 +131,19 @@ async def test_plain_contention_is_not_a_deadlock() -> None:
     assert not waiter.done()
     gate.set()
     await asyncio.gather(holder, waiter)
+
+
+async def test_detection_can_be_switched_off() -> None:
+    queue = KeyedSerialQueue(detect_deadlocks=False)
+
+    async def child_work() -> None:
+        return None
+
+    async def parent() -> None:
+        await asyncio.create_task(queue.run("k", child_work))
+
+    # Without detection the cycle is a plain hang, here cut short by the test's own timeout.
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(queue.run("k", parent), timeout=0.05)
+    await settle()
+    assert len(queue) == 0
