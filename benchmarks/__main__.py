@@ -26,6 +26,7 @@ async def run(
     tables += await scenarios.uncontended(adapters, calls, repeats)
     tables.append(await scenarios.decorated(calls, repeats))
     tables += await scenarios.contended(adapters, calls, repeats)
+    tables += await scenarios.multi_key(calls // 2, repeats)
     tables.append(await scenarios.hand_off(adapters, calls // 4, repeats))
     waiter_tables, curves = await scenarios.many_waiters(
         [a for a in adapters if a.name != "bare await"], waiter_sizes, max(3, repeats // 2)

@@ -88,6 +88,10 @@ def targets(tables: Sequence[Table], waiter_sizes: Sequence[int]) -> list[Target
             v = by_id[table_id]
             ratio = v["keyserial"] / v["bare await"]
             results.append(Target(f"gather over 100 keys ÷ bare gather, {label}", ratio, 1.15))
+    if "deadlock-check" in by_id:
+        v = by_id["deadlock-check"]
+        ratio = v["deadlock detection on (default)"] / v["detect_deadlocks=False"]
+        results.append(Target("contended traffic with ÷ without the deadlock check", ratio, 1.05))
     if "memory-idle" in by_id:
         results.append(Target("bytes retained per idle key", by_id["memory-idle"]["keyserial"], 0))
     if "memory-waiting" in by_id:

@@ -167,6 +167,65 @@ async def contended(adapters: Sequence[Adapter], calls: int, repeats: int) -> li
     return tables
 
 
+async def multi_key(calls: int, repeats: int) -> list[Table]:
+    """Two-key calls against two nested single-key turns; the deadlock check's cost."""
+    queue = KeyedSerialQueue()
+    pairs = [(f"a{i}", f"b{i}") for i in range(calls)]
+
+    async def run_all_pairs() -> None:
+        for pair in pairs:
+            await queue.run_all(pair, noop)
+
+    async def nested_pairs() -> None:
+        for first, second in pairs:
+            await queue.run(first, queue.run, second, noop)
+
+    async def single_keys() -> None:
+        for first, _ in pairs:
+            await queue.run(first, noop)
+
+    seconds = await interleave(
+        [
+            Variant("run_all([a, b], fn)", run_all_pairs),
+            Variant("run(a, run, b, fn): nested turns", nested_pairs),
+            Variant("run(a, fn): one key", single_keys),
+        ],
+        repeats,
+    )
+    two_keys = Table(
+        "multi-key",
+        f"Several keys: {calls:,} sequential uncontended calls on distinct key pairs",
+        "ns/call",
+        _ns_per_call(seconds, calls),
+        reference="run_all([a, b], fn)",
+    )
+
+    keys = [i % 100 for i in range(calls)]
+    checked, unchecked = KeyedSerialQueue(), KeyedSerialQueue(detect_deadlocks=False)
+
+    def gathered(queue: KeyedSerialQueue) -> Callable[[], Coroutine[Any, Any, None]]:
+        async def run() -> None:
+            await asyncio.gather(*(queue.run(key, yield_once) for key in keys))
+
+        return run
+
+    seconds = await interleave(
+        [
+            Variant("deadlock detection on (default)", gathered(checked)),
+            Variant("detect_deadlocks=False", gathered(unchecked)),
+        ],
+        repeats,
+    )
+    check = Table(
+        "deadlock-check",
+        f"Deadlock check: {calls:,} calls gathered over 100 keys, each yields once",
+        "ns/call",
+        _ns_per_call(seconds, calls),
+        reference="deadlock detection on (default)",
+    )
+    return [two_keys, check]
+
+
 async def hand_off(adapters: Sequence[Adapter], rounds: int, repeats: int) -> Table:
     def ping_pong(adapter: Adapter) -> Variant:
         async def player() -> None:

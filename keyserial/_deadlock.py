@@ -22,22 +22,21 @@ if TYPE_CHECKING:
 Task = asyncio.Task[Any]
 
 
-def _holding_task(part: Partition, key: Hashable) -> Task | None:
-    from ._state import MultiTurn
-
-    holder = part.holder_of(key)
-    if type(holder) is MultiTurn:
-        return holder.task  # still collecting its keys: blocked on the others
-    return holder if isinstance(holder, asyncio.Task) else None
+def _waits_on_something(part: Partition, holder: Task) -> bool:
+    return holder in part.blocked or isinstance(getattr(holder, "_fut_waiter", None), asyncio.Task)
 
 
 def check_no_cycle(part: Partition, task: Task, keys: Sequence[Hashable]) -> None:
     """Raise DeadlockError if ``task`` waiting for ``keys`` would wait, in the end, on itself."""
+    holders = [part.holding_task(key) for key in keys]
+    # The common case: every holder is running, not waiting on anything; no walk needed.
+    if not any(h is not None and _waits_on_something(part, h) for h in holders):
+        return
     # Each visited task maps to (the task it was reached from, the key between them or None
     # for an awaited task), so that the cycle can be named.
     reached: dict[Task, tuple[Task | None, Hashable | None]] = {}
     frontier: list[tuple[Task | None, Task | None, Hashable | None]] = [
-        (task, _holding_task(part, key), key) for key in keys
+        (task, holder, key) for holder, key in zip(holders, keys, strict=True)
     ]
     while frontier:
         source, holder, key = frontier.pop()
@@ -47,7 +46,7 @@ def check_no_cycle(part: Partition, task: Task, keys: Sequence[Hashable]) -> Non
         if holder is task:
             raise _describe(task, reached)
         for wanted in part.blocked.get(holder, ()):
-            frontier.append((holder, _holding_task(part, wanted), wanted))
+            frontier.append((holder, part.holding_task(wanted), wanted))
         awaited = getattr(holder, "_fut_waiter", None)
         if isinstance(awaited, asyncio.Task):
             frontier.append((holder, awaited, None))

@@ -354,7 +354,7 @@ class KeyedSerialQueue:
     ) -> tuple[Partition, MultiRegistration]:
         part, task, unique = self._entered(keys)
         registration = part.register_all(unique, task, timeout, self._max_pending)
-        if registration.turn.missing:
+        if registration.turn is not None and registration.turn.missing:
             try:
                 await registration.turn.future
             except BaseException:
@@ -397,7 +397,7 @@ class KeyedSerialQueue:
         try:
             return await fn(*args, **kwargs)
         finally:
-            part.leave_all(registration)
+            part.leave_all(registration, task_of(part.loop))  # type: ignore[arg-type]
 
     def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> _KeysLock:
         """Hold the turns of all ``keys`` for the body of an ``async with`` block.
@@ -624,4 +624,4 @@ class _KeysLock:
         if self._held is not None:
             part, registration = self._held
             self._held = None
-            part.leave_all(registration)
+            part.leave_all(registration, task_of(part.loop))  # type: ignore[arg-type]

@@ -69,7 +69,7 @@ class Registration(NamedTuple):
 class MultiRegistration(NamedTuple):
     """A multi-key call: the keys it had to acquire (not those it already held)."""
 
-    turn: MultiTurn
+    turn: MultiTurn | None  # None: every key was free and is held like an uncontended call
     keys: tuple[Hashable, ...]
     timer: asyncio.TimerHandle | None
 
@@ -116,6 +116,13 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         held = self.get(key)
         return held.holder if type(held) is KeyState else held
 
+    def holding_task(self, key: Hashable) -> Task | None:
+        """The task holding ``key``'s turn, or waiting to collect it with other keys."""
+        holder = self.holder_of(key)
+        if type(holder) is MultiTurn:
+            return holder.task
+        return holder if isinstance(holder, asyncio.Task) else None
+
     def pending_of(self, key: Hashable) -> int:
         held = self.get(key)
         if held is None:
@@ -152,7 +159,12 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             raise QueueFull(key, max_pending)
         detect = holder is not None and owner is not NEW_TASK and self.detect_deadlocks
         if detect:
-            check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
+            # Walk only if the holder itself waits on something: usually it is running.
+            blocking = holder.task if type(holder) is MultiTurn else holder
+            if blocking in self.blocked or isinstance(
+                getattr(blocking, "_fut_waiter", None), asyncio.Task
+            ):
+                check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
         state = self._contended(key, held)
         state.pending += 1
         if state.holder is None:
@@ -260,6 +272,11 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         registered call is always first in line for every key it needs: no
         cycle of multi-key calls can wait on itself.
         """
+        if not self.closed and all(key not in self for key in keys):
+            # Every key is free: hold each as an uncontended call would, nothing else.
+            for key in keys:
+                self[key] = task
+            return MultiRegistration(None, tuple(keys), None)
         needed = tuple(key for key in keys if self.holder_of(key) is not task)
         if needed and self.closed:
             raise QueueClosed(f"queue is closed; cannot register keys {list(needed)!r}")
@@ -295,6 +312,8 @@ class Partition(dict[Hashable, "Task | KeyState"]):
     def take_all(self, registration: MultiRegistration) -> None:
         """The multi-key wait ended: take every turn, or raise TimeoutError."""
         turn, keys, timer = registration
+        if turn is None:
+            return
         if self.blocked:
             self.blocked.pop(turn.task, None)
         if timer is not None:
@@ -308,6 +327,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
     def give_up_all(self, registration: MultiRegistration) -> None:
         """A multi-key call stops before running: pass on what it holds, leave the rest."""
         turn, keys, timer = registration
+        assert turn is not None  # only a call that had to wait can give up
         if self.blocked:
             self.blocked.pop(turn.task, None)
         if timer is not None:
@@ -323,6 +343,6 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             else:
                 self._drop_dead_waiter(key, state)
 
-    def leave_all(self, registration: MultiRegistration) -> None:
+    def leave_all(self, registration: MultiRegistration, task: Task) -> None:
         for key in registration.keys:
-            self.release(key, self[key])  # type: ignore[arg-type]
+            self.leave(key, task)

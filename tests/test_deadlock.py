@@ -143,7 +143,7 @@ async def test_detection_can_be_switched_off() -> None:
         await asyncio.create_task(queue.run("k", child_work))
 
     # Without detection the cycle is a plain hang, here cut short by the test's own timeout.
-    with pytest.raises(TimeoutError):
+    with pytest.raises(asyncio.TimeoutError):  # not the built-in one before Python 3.11
         await asyncio.wait_for(queue.run("k", parent), timeout=0.05)
     await settle()
     assert len(queue) == 0
