@@ -25,7 +25,7 @@ async def run(
     tables: list[scenarios.Table] = []
     tables += await scenarios.uncontended(adapters, calls, repeats)
     tables.append(await scenarios.decorated(calls, repeats))
-    tables += await scenarios.contended(adapters, calls, repeats)
+    tables += await scenarios.contended(adapters, calls, max(3, repeats // 2))
     tables += await scenarios.multi_key(calls // 2, repeats)
     tables.append(await scenarios.hand_off(adapters, calls // 4, repeats))
     waiter_tables, curves = await scenarios.many_waiters(
@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("--markdown", type=Path, help="also write the report to this file")
     parser.add_argument("--plot", type=Path, help="write the waiters plot (PNG) here")
     options = parser.parse_args()
-    repeats = options.repeats or (2 if options.quick else 7)
+    repeats = options.repeats or (2 if options.quick else 5)
     waiter_sizes = [500, 1_000, 2_000] if options.quick else [50_000, 100_000, 200_000]
 
     tables, curves = asyncio.run(run(options.quick, repeats))
