@@ -7,7 +7,7 @@ different keys run concurrently. See :class:`KeyedSerialQueue` and
 
 from ._decorator import SerialQueue, serialized
 from ._default import default_queue
-from ._errors import DeadlockError, QueueClosed, QueueFull
+from ._errors import DeadlockError, QueueClosed, QueueFull, Superseded
 from ._queue import KeyedSerialQueue
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "QueueClosed",
     "QueueFull",
     "SerialQueue",
+    "Superseded",
     "default_queue",
     "serialized",
 ]

@@ -39,8 +39,9 @@ class SerialQueue(Protocol):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None = None,
+        group: Hashable | None = None,
     ) -> Coroutine[Any, Any, T]:
-        """Like ``run``, with ``timeout`` bounding the wait for the turn."""
+        """Like ``run``; ``timeout`` bounds the wait, ``group`` makes the call coalescing."""
         ...
 
 
@@ -109,6 +110,7 @@ def _serialize(
     queue: SerialQueue | None,
     timeout: float | None,
     keys: str | Callable[..., Iterable[Hashable]] | None = None,
+    coalesce: bool = False,
 ) -> Any:
     qualname = getattr(_underlying_function(fn), "__qualname__", repr(fn))
     _check_async(fn, qualname)
@@ -118,6 +120,8 @@ def _serialize(
     if keys is not None:
         if key is not None:
             raise TypeError(f"@serialized on {qualname}: give key= or keys=, not both")
+        if coalesce:
+            raise TypeError(f"@serialized on {qualname}: coalesce=True works with key=, not keys=")
         return _serialize_multi(fn, keys, target, timeout, qualname)
     extract = _make_extractor(key, fn, qualname)
 
@@ -130,6 +134,8 @@ def _serialize(
         return call_key
 
     call = target.call
+    # Calls of this function supersede each other's waiting calls, and no one else's.
+    group = FunctionKey(qualname) if coalesce else None
 
     def route(
         wrapped: Callable[..., Coroutine[Any, Any, Any]],
@@ -137,13 +143,13 @@ def _serialize(
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Coroutine[Any, Any, Any]:
-        return call(key_of(instance, args, kwargs), wrapped, args, kwargs, timeout)
+        return call(key_of(instance, args, kwargs), wrapped, args, kwargs, timeout, group)
 
     class SerializedFunction(_SerializedFunction):
         # A class per decorated function lets the unbound call path read what it needs from
         # this closure: attribute lookups on a wrapt proxy cost about 100 ns each.
         def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-            return call(key_of(None, args, kwargs), fn, args, kwargs, timeout)
+            return call(key_of(None, args, kwargs), fn, args, kwargs, timeout, group)
 
     SerializedFunction.__qualname__ = SerializedFunction.__name__ = f"serialized[{qualname}]"
     return SerializedFunction(fn, route)
@@ -206,6 +212,7 @@ def serialized(
     queue: SerialQueue | None = None,
     timeout: float | None = None,
     keys: str | Callable[..., Iterable[Hashable]] | None = None,
+    coalesce: bool = False,
 ) -> Callable[[AsyncFunction[P, R]], AsyncFunction[P, R]]: ...
 
 
@@ -217,6 +224,7 @@ def serialized(
     queue: SerialQueue | None = None,
     timeout: float | None = None,
     keys: str | Callable[..., Iterable[Hashable]] | None = None,
+    coalesce: bool = False,
 ) -> Any:
     """Decorate an ``async def`` function so that its calls run one at a time per key.
 
@@ -238,6 +246,10 @@ def serialized(
         queue: the queue to route calls through.
         timeout: bound, in seconds, on the wait for the turn only; on expiry the
             call raises the built-in :class:`TimeoutError` and never starts.
+        coalesce: latest wins: a call that has to wait supersedes this
+            function's call for the same key that is still waiting, which then
+            raises :class:`Superseded` and never starts. A started call is never
+            interrupted; calls of other functions keep their places.
 
     Raises:
         TypeError: at decoration, ``fn`` is not an ``async def`` function (a sync
@@ -264,5 +276,7 @@ def serialized(
         ['a:partial', 'a:final']
     """
     if fn is not None:
-        return _serialize(fn, key, queue, timeout, keys)
-    return functools.partial(_serialize, key=key, queue=queue, timeout=timeout, keys=keys)
+        return _serialize(fn, key, queue, timeout, keys, coalesce)
+    return functools.partial(
+        _serialize, key=key, queue=queue, timeout=timeout, keys=keys, coalesce=coalesce
+    )

@@ -60,3 +60,20 @@ class DeadlockError(RuntimeError):
         super().__init__(message)
         self.keys = list(keys)
         self.tasks = list(tasks)
+
+
+class Superseded(Exception):
+    """Raised to a waiting call that a newer call of its coalescing group replaced.
+
+    The superseded call never started. ``key`` names the key it waited for.
+    See ``@serialized(coalesce=True)`` and the ``group`` argument of
+    :meth:`KeyedSerialQueue.call`.
+
+    Example:
+        >>> Superseded("seg-1").key
+        'seg-1'
+    """
+
+    def __init__(self, key: Hashable) -> None:
+        super().__init__(f"superseded by a newer call for key {key!r} before it started")
+        self.key = key

@@ -18,7 +18,8 @@ _MISSING = object()
 
 
 class FunctionKey:
-    """The key shared by every call of a function decorated with ``key=None``."""
+    """A token of one decorated function: the key its calls share when ``key=None``,
+    or the group its calls coalesce in when ``coalesce=True``."""
 
     __slots__ = ("qualname",)
 

@@ -196,15 +196,22 @@ class KeyedSerialQueue:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None = None,
+        group: Hashable | None = None,
     ) -> T:
-        """Run ``await fn(*args, **kwargs)`` in ``key``'s turn: :meth:`run` with a wait timeout.
+        """Run ``await fn(*args, **kwargs)`` in ``key``'s turn: :meth:`run` with more options.
 
         ``timeout`` bounds only the wait for the turn: on expiry the built-in
         :class:`TimeoutError` is raised, ``fn`` never starts and the key is not
         left blocked. Once started, ``fn`` runs to completion.
 
+        ``group`` makes the call coalescing (latest wins): when it has to wait,
+        it supersedes the call of the same key and group that is still waiting,
+        which then raises :class:`Superseded` and never starts. A call that has
+        started is never interrupted; calls of other groups keep their places.
+
         Raises:
             TimeoutError: the turn did not come within ``timeout`` seconds.
+            Superseded: a newer call of the same ``group`` replaced this one.
             ValueError: ``timeout`` is negative.
             QueueClosed, QueueFull, TypeError, RuntimeError: as for :meth:`run`.
 
@@ -234,7 +241,7 @@ class KeyedSerialQueue:
                 raise QueueClosed(f"queue is closed; cannot register key {key!r}")
             part[key] = task  # the uncontended path: one dict entry, nothing else
         else:
-            registration = part.register(key, holder, task, timeout, self._max_pending)
+            registration = part.register(key, holder, task, timeout, self._max_pending, group)
             if registration is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
             if registration.waiter is not None:
@@ -303,15 +310,19 @@ class KeyedSerialQueue:
         task.add_done_callback(submission.withdraw_if_unstarted)
         return task
 
-    def lock(self, key: Hashable, timeout: float | None = None) -> _KeyLock:
+    def lock(
+        self, key: Hashable, timeout: float | None = None, group: Hashable | None = None
+    ) -> _KeyLock:
         """Hold ``key``'s turn for the body of an ``async with`` block.
 
         The block registers when it is entered. ``timeout`` bounds only the
         wait for the turn; entering from the task that already holds ``key``
-        does not wait and does not release the outer turn on exit.
+        does not wait and does not release the outer turn on exit. ``group``
+        coalesces as for :meth:`call`.
 
         Raises:
             TimeoutError: the turn did not come within ``timeout`` seconds.
+            Superseded: a newer block of the same ``group`` replaced this one.
             QueueClosed, QueueFull, TypeError, RuntimeError: as for :meth:`run`.
             ValueError: ``timeout`` is negative.
 
@@ -326,7 +337,7 @@ class KeyedSerialQueue:
             True
         """
         _check_timeout(timeout)
-        return _KeyLock(self, key, timeout)
+        return _KeyLock(self, key, timeout, group)
 
     # -- several keys at once ---------------------------------------------------------------
 
@@ -552,12 +563,15 @@ class _Submission:
 class _KeyLock:
     """The async context manager returned by :meth:`KeyedSerialQueue.lock`."""
 
-    __slots__ = ("_key", "_part", "_queue", "_task", "_timeout")
+    __slots__ = ("_group", "_key", "_part", "_queue", "_task", "_timeout")
 
-    def __init__(self, queue: KeyedSerialQueue, key: Hashable, timeout: float | None) -> None:
+    def __init__(
+        self, queue: KeyedSerialQueue, key: Hashable, timeout: float | None, group: Hashable | None
+    ) -> None:
         self._queue = queue
         self._key = key
         self._timeout = timeout
+        self._group = group
         self._part: Partition | None = None
         self._task: Task | None = None
 
@@ -579,7 +593,9 @@ class _KeyLock:
                 raise QueueClosed(f"queue is closed; cannot register key {key!r}")
             part[key] = task
         else:
-            registration = part.register(key, holder, task, self._timeout, queue._max_pending)
+            registration = part.register(
+                key, holder, task, self._timeout, queue._max_pending, self._group
+            )
             if registration is None:
                 return  # re-entry: the outer turn stays in charge of releasing
             await queue._await_turn(part, key, registration)

@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 from ._deadlock import check_no_cycle
-from ._errors import QueueClosed, QueueFull
+from ._errors import QueueClosed, QueueFull, Superseded
 
 Task = asyncio.Task[Any]
 
@@ -34,19 +34,19 @@ class MultiTurn:
 
     __slots__ = ("future", "missing", "task")
 
-    def __init__(self, future: asyncio.Future[bool], task: Task) -> None:
+    def __init__(self, future: asyncio.Future[bool | None], task: Task) -> None:
         self.future = future
         self.task = task
         self.missing = 0  # keys still to be handed to it
 
 
-Waiter = "asyncio.Future[bool] | MultiTurn"
+Waiter = "asyncio.Future[bool | None] | MultiTurn"
 
 
 class KeyState:
     """A key that saw contention during its current busy period."""
 
-    __slots__ = ("holder", "pending", "waiters")
+    __slots__ = ("holder", "latest", "pending", "waiters")
 
     def __init__(self, holder: object) -> None:
         # The running task, GRANTED, a MultiTurn collecting its keys, or None when the turn
@@ -55,14 +55,16 @@ class KeyState:
         # Running plus waiting calls, counting dead waiters that have not resumed yet.
         self.pending = 1
         # Waiters in registration order; a done future marks a dead one, skipped on hand-off.
-        self.waiters: deque[asyncio.Future[bool] | MultiTurn] = deque()
+        self.waiters: deque[asyncio.Future[bool | None] | MultiTurn] = deque()
+        # The waiting call of each coalescing group, which the group's next call supersedes.
+        self.latest: dict[Hashable, asyncio.Future[bool | None]] | None = None
 
 
 class Registration(NamedTuple):
     """A single-key call registered on a busy key."""
 
     state: KeyState
-    waiter: asyncio.Future[bool] | None  # None: the turn was free and is taken at once
+    waiter: asyncio.Future[bool | None] | None  # None: the turn was free and is taken at once
     timer: asyncio.TimerHandle | None
 
 
@@ -74,12 +76,12 @@ class MultiRegistration(NamedTuple):
     timer: asyncio.TimerHandle | None
 
 
-def _expire(future: asyncio.Future[bool]) -> None:
+def _expire(future: asyncio.Future[bool | None]) -> None:
     if not future.done():
         future.set_result(False)
 
 
-def _dead(waiter: asyncio.Future[bool] | MultiTurn) -> bool:
+def _dead(waiter: asyncio.Future[bool | None] | MultiTurn) -> bool:
     return (waiter.future if type(waiter) is MultiTurn else waiter).done()  # type: ignore[union-attr]
 
 
@@ -144,9 +146,11 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         owner: object,
         timeout: float | None,
         max_pending: int | None,
+        group: Hashable | None = None,
     ) -> Registration | None:
         """Register ``owner`` on the busy ``key``; ``None`` if ``owner`` holds it (re-entry).
 
+        A call with a ``group`` supersedes the waiting call of the same key and group.
         Raises QueueClosed, QueueFull, or DeadlockError if waiting would close a cycle.
         """
         holder = held.holder if type(held) is KeyState else held
@@ -155,7 +159,12 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         if self.closed:
             raise QueueClosed(f"queue is closed; cannot register key {key!r}")
         pending = held.pending if type(held) is KeyState else 1
-        if max_pending is not None and pending >= max_pending:
+        replaced = None
+        if group is not None and type(held) is KeyState and held.latest is not None:
+            replaced = held.latest.get(group)
+            if replaced is not None and replaced.done():
+                replaced = None
+        if max_pending is not None and pending - (replaced is not None) >= max_pending:
             raise QueueFull(key, max_pending)
         detect = holder is not None and owner is not NEW_TASK and self.detect_deadlocks
         if detect:
@@ -171,8 +180,15 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             state.holder = GRANTED if owner is NEW_TASK else owner
             return Registration(state, None, None)
         loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
-        waiter: asyncio.Future[bool] = loop.create_future()
+        waiter: asyncio.Future[bool | None] = loop.create_future()
         state.waiters.append(waiter)
+        if group is not None:
+            if replaced is not None:
+                replaced.set_result(None)  # superseded: it never starts
+                self._drop_dead_waiter(key, state)
+            if state.latest is None:
+                state.latest = {}
+            state.latest[group] = waiter
         if detect:
             self.blocked[owner] = (key,)  # type: ignore[index]
         timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
@@ -193,19 +209,27 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         state, waiter, timer = registration
         if timer is not None:
             timer.cancel()
-        if waiter is not None and waiter.result() is not True:
+        if waiter is not None and (outcome := waiter.result()) is not True:
             self.abandon(key, state, waiter)
+            if outcome is None:
+                raise Superseded(key)
             raise TimeoutError(f"timed out waiting for the turn of key {key!r}")
         state.holder = task
 
-    def abandon(self, key: Hashable, state: KeyState, waiter: asyncio.Future[bool] | None) -> None:
+    def abandon(
+        self, key: Hashable, state: KeyState, waiter: asyncio.Future[bool | None] | None
+    ) -> None:
         """A registered call gives up before running; ``waiter=None`` means it had the turn."""
         if self.loop.is_closed():  # type: ignore[union-attr]
             return  # a coroutine finalized after its loop closed: that share is gone
-        if waiter is None or (waiter.done() and not waiter.cancelled() and waiter.result() is True):
+        done = waiter is not None and waiter.done() and not waiter.cancelled()
+        outcome = waiter.result() if done else False  # type: ignore[union-attr]
+        if waiter is None or outcome is True:
             # The turn was handed over but its owner stopped before using it: pass it on.
             self.release(key, state)
             return
+        if outcome is None:
+            return  # superseded: accounted for when it was superseded
         if not waiter.done():
             waiter.cancel()
         self._drop_dead_waiter(key, state)

@@ -63,9 +63,10 @@ async def test_key_by_name_from_positional_keyword_and_default() -> None:
             args: tuple[Any, ...],
             kwargs: dict[str, Any],
             timeout: float | None = None,
+            group: object = None,
         ) -> Any:
             seen.append(key)
-            return queue.call(key, fn, args, kwargs, timeout)
+            return queue.call(key, fn, args, kwargs, timeout, group)
 
     @serialized(key="seg", queue=SpyQueue())
     async def handler(prefix: str, seg: str = "default-seg", *, flag: bool = False) -> str:

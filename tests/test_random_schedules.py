@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keyserial import KeyedSerialQueue
+from keyserial import KeyedSerialQueue, Superseded
 
 
 class Boom(Exception):
@@ -59,7 +59,8 @@ async def run_schedule(seed: int, calls: int, keys: int, multi_key: bool = False
             order = 0  # registers now
         elif kind < 0.45:
             timeout = rng.choice([0.0, 0.0005, 10.0])
-            tasks.append(asyncio.create_task(queue.call(key, body, args, {}, timeout)))
+            group = rng.choice([None, None, "coalesced"])
+            tasks.append(asyncio.create_task(queue.call(key, body, args, {}, timeout, group)))
             order = 1  # registers at the task's first step, after this epoch's submits
         else:
             tasks.append(asyncio.create_task(queue.run(key, body, *args)))
@@ -80,7 +81,7 @@ async def run_schedule(seed: int, calls: int, keys: int, multi_key: bool = False
             assert call_id in started
         elif isinstance(outcome, asyncio.CancelledError):
             pass  # cancelled while waiting (never started) or while running
-        elif isinstance(outcome, TimeoutError):
+        elif isinstance(outcome, (TimeoutError, Superseded)):
             assert call_id not in started
         else:
             assert outcome == call_id

@@ -1,0 +1,139 @@
+"""Latest-wins coalescing: a newer call supersedes the same group's waiting call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from keyserial import KeyedSerialQueue, QueueFull, Superseded, serialized
+
+from .scheduling import settle
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_newer_call_supersedes_the_waiting_one_of_its_function() -> None:
+    queue = KeyedSerialQueue()
+    saved: list[str] = []
+    gate = asyncio.Event()
+
+    @serialized(key="seg_id", queue=queue, coalesce=True)
+    async def save_partial(seg_id: str, text: str) -> str:
+        saved.append(text)
+        if text == "p1":
+            await gate.wait()
+        return text
+
+    @serialized(key="seg_id", queue=queue)
+    async def finalize(seg_id: str, text: str) -> str:
+        saved.append(text)
+        return text
+
+    running = asyncio.create_task(save_partial("s", "p1"))
+    await settle()
+    p2 = asyncio.create_task(save_partial("s", "p2"))
+    final = asyncio.create_task(finalize("s", "final"))
+    p3 = asyncio.create_task(save_partial("s", "p3"))
+    p4 = asyncio.create_task(save_partial("s", "p4"))
+    other_key = asyncio.create_task(save_partial("t", "t1"))
+    await settle()
+    # p2 and p3 were superseded: never started. finalize kept its place; p1 still runs.
+    for superseded in (p2, p3):
+        with pytest.raises(Superseded) as info:
+            await superseded
+        assert info.value.key == "s"
+    assert queue.pending("s") == 3  # p1 running, final and p4 waiting
+    gate.set()
+    assert await asyncio.gather(running, final, p4, other_key) == ["p1", "final", "p4", "t1"]
+    assert saved == ["p1", "t1", "final", "p4"]
+    assert len(queue) == 0
+
+
+async def test_burst_keeps_one_running_and_one_waiting() -> None:
+    queue = KeyedSerialQueue()
+    gate = asyncio.Event()
+    started: list[int] = []
+
+    async def slow_save(i: int) -> int:
+        started.append(i)
+        await gate.wait()
+        return i
+
+    tasks = [
+        asyncio.create_task(queue.call("k", slow_save, (i,), {}, group="partials"))
+        for i in range(5000)
+    ]
+    await settle()
+    assert started == [0]
+    assert queue.pending("k") == 2  # one running, one waiting, whatever the burst's size
+    gate.set()
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    assert started == [0, 4999]
+    assert outcomes[0] == 0 and outcomes[-1] == 4999
+    assert all(isinstance(o, Superseded) for o in outcomes[1:-1])
+    assert len(queue) == 0
+
+
+async def test_coalescing_respects_max_pending_by_replacing() -> None:
+    queue = KeyedSerialQueue(max_pending=2)
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        await gate.wait()
+
+    async def work(i: int) -> int:
+        return i
+
+    holder = asyncio.create_task(queue.run("k", hold))
+    await settle()
+    first = asyncio.create_task(queue.call("k", work, (1,), {}, group="g"))
+    await settle()
+    # The key is full, but a call of the same group replaces the waiting one.
+    second = asyncio.create_task(queue.call("k", work, (2,), {}, group="g"))
+    await settle()
+    with pytest.raises(QueueFull):
+        await queue.call("k", work, (3,), {}, group="other group")
+    gate.set()
+    await holder
+    with pytest.raises(Superseded):
+        await first
+    assert await second == 2
+    assert len(queue) == 0
+
+
+async def test_superseded_then_cancelled_and_timed_out_waiters_leave_no_trace() -> None:
+    queue = KeyedSerialQueue()
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        await gate.wait()
+
+    async def work(i: int) -> int:
+        return i
+
+    holder = asyncio.create_task(queue.run("k", hold))
+    await settle()
+    a = asyncio.create_task(queue.call("k", work, (1,), {}, group="g"))
+    await settle()
+    b = asyncio.create_task(queue.call("k", work, (2,), {}, group="g"))
+    a.cancel()  # superseded and cancelled before it resumes
+    await settle()
+    with pytest.raises(TimeoutError):
+        async with queue.lock("k", timeout=0, group="g"):  # supersedes b, then times out
+            raise AssertionError("must not enter")
+    with pytest.raises(Superseded):
+        await b
+    assert queue.pending("k") == 1
+    gate.set()
+    await holder
+    assert a.cancelled()
+    assert len(queue) == 0
+
+
+async def test_coalesce_is_for_single_keys() -> None:
+    async def merge(a: str, b: str) -> None:
+        return None
+
+    with pytest.raises(TypeError, match="coalesce"):
+        serialized(keys=lambda a, b: (a, b), coalesce=True)(merge)
