@@ -45,7 +45,7 @@ async def test_newer_call_supersedes_the_waiting_one_of_its_function() -> None:
         assert info.value.key == "s"
     assert queue.pending("s") == 3  # p1 running, final and p4 waiting
     gate.set()
-    assert await asyncio.gather(running, final, p4, other_key) == ["p1", "final", "p4", "t1"]
+    assert list(await asyncio.gather(running, final, p4, other_key)) == ["p1", "final", "p4", "t1"]
     assert saved == ["p1", "t1", "final", "p4"]
     assert len(queue) == 0
 
