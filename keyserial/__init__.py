@@ -9,12 +9,14 @@ from ._decorator import SerialQueue, serialized
 from ._default import default_queue
 from ._errors import DeadlockError, QueueClosed, QueueFull, Superseded
 from ._queue import KeyedSerialQueue
+from ._stats import QueueStats
 
 __all__ = [
     "DeadlockError",
     "KeyedSerialQueue",
     "QueueClosed",
     "QueueFull",
+    "QueueStats",
     "SerialQueue",
     "Superseded",
     "default_queue",

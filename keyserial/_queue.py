@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -12,6 +13,7 @@ from ._deadlock import check_no_cycle
 from ._errors import DeadlockError, QueueClosed
 from ._loops import get_running_loop, task_of
 from ._state import GRANTED, NEW_TASK, KeyState, MultiRegistration, Partition, Registration
+from ._stats import QueueStats, snapshot
 
 T = TypeVar("T")
 
@@ -184,7 +186,11 @@ class KeyedSerialQueue:
             if kwargs:
                 return await fn(*args, **kwargs)
             return await fn(*args)  # unpacking an empty **kwargs costs measurably here
+        except BaseException as exc:
+            part.count_failure(exc)
+            raise
         finally:
+            part.ended += 1
             held = part.pop(key)
             if held is not task or part.idle_waiters:
                 part.after_turn(key, held, task)
@@ -255,7 +261,11 @@ class KeyedSerialQueue:
             if kwargs:
                 return await fn(*args, **kwargs)
             return await fn(*args)  # unpacking an empty **kwargs costs measurably here
+        except BaseException as exc:
+            part.count_failure(exc)
+            raise
         finally:
+            part.ended += 1
             held = part.pop(key)
             if held is not task or part.idle_waiters:
                 part.after_turn(key, held, task)
@@ -405,9 +415,14 @@ class KeyedSerialQueue:
             'a -> b'
         """
         part, registration = await self._acquire_all(keys, None)
+        error: BaseException | None = None
         try:
             return await fn(*args, **kwargs)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            part.count_end(error)
             part.leave_all(registration, task_of(part.loop))  # type: ignore[arg-type]
 
     def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> _KeysLock:
@@ -454,6 +469,23 @@ class KeyedSerialQueue:
             False
         """
         return self._inspected().holder_of(key) is not None
+
+    def stats(self) -> QueueStats:
+        """An immutable snapshot of the running loop's share: current load and cumulative counts.
+
+        Counts are of turns (a re-entrant call runs inside its caller's turn and
+        is not counted). ``longest_wait`` is exact. ``longest_running`` is exact
+        for turns handed over from a waiting call; a turn that began while no
+        one waited is timed from when the first call queued behind it — how long
+        it has been keeping others waiting — unless the queue has an observer or
+        a ``slow_turn`` threshold, which time every turn.
+
+        Example:
+            >>> from keyserial import KeyedSerialQueue
+            >>> KeyedSerialQueue().stats().started
+            0
+        """
+        return snapshot(self._inspected(), time.monotonic())
 
     def __len__(self) -> int:
         """Number of keys with registered work in the running loop's share."""
@@ -549,9 +581,14 @@ class _Submission:
                 raise
             part.blocked[task] = (key,)
         await queue._await_turn(part, key, self.registration)
+        error: BaseException | None = None
         try:
             return await fn(*args, **kwargs)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            part.count_end(error)
             part.release(key, self.registration.state)
 
     def withdraw_if_unstarted(self, task: asyncio.Task[Any]) -> None:
@@ -610,6 +647,7 @@ class _KeyLock:
         part, task = self._part, self._task
         if part is not None and task is not None:
             self._part = self._task = None
+            part.count_end(exc)
             part.leave(self._key, task)
 
 
@@ -640,4 +678,5 @@ class _KeysLock:
         if self._held is not None:
             part, registration = self._held
             self._held = None
+            part.count_end(exc)
             part.leave_all(registration, task_of(part.loop))  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ last registered call is gone. A waiter is a future (one key) or a ``MultiTurn``
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
@@ -29,24 +30,35 @@ NEW_TASK = object()
 COMPACT_SLACK = 32
 
 
+class Waiter(asyncio.Future):  # type: ignore[type-arg]
+    """What a single-key call waits on: True once granted, False on timeout, None superseded."""
+
+    __slots__ = ("since",)
+    since: float  # when the call registered
+
+
+def new_waiter(loop: asyncio.AbstractEventLoop) -> Waiter:
+    waiter = Waiter(loop=loop)
+    waiter.since = time.monotonic()
+    return waiter
+
+
 class MultiTurn:
     """A call waiting for several keys; it runs once it holds all of them."""
 
-    __slots__ = ("future", "missing", "task")
+    __slots__ = ("future", "missing", "since", "task")
 
     def __init__(self, future: asyncio.Future[bool | None], task: Task) -> None:
         self.future = future
         self.task = task
         self.missing = 0  # keys still to be handed to it
-
-
-Waiter = "asyncio.Future[bool | None] | MultiTurn"
+        self.since = time.monotonic()
 
 
 class KeyState:
     """A key that saw contention during its current busy period."""
 
-    __slots__ = ("holder", "latest", "pending", "waiters")
+    __slots__ = ("holder", "latest", "pending", "since", "waiters")
 
     def __init__(self, holder: object) -> None:
         # The running task, GRANTED, a MultiTurn collecting its keys, or None when the turn
@@ -58,6 +70,9 @@ class KeyState:
         self.waiters: deque[asyncio.Future[bool | None] | MultiTurn] = deque()
         # The waiting call of each coalescing group, which the group's next call supersedes.
         self.latest: dict[Hashable, asyncio.Future[bool | None]] | None = None
+        # When the current turn started; for a turn that began uncontended, when the first
+        # call queued behind it (the turn is at least that old).
+        self.since = time.monotonic()
 
 
 class Registration(NamedTuple):
@@ -88,7 +103,20 @@ def _dead(waiter: asyncio.Future[bool | None] | MultiTurn) -> bool:
 class Partition(dict[Hashable, "Task | KeyState"]):
     """One event loop's share of a queue: key -> holding task, or ``KeyState`` once contended."""
 
-    __slots__ = ("blocked", "closed", "detect_deadlocks", "idle_waiters", "loop")
+    __slots__ = (
+        "blocked",
+        "cancelled",
+        "cancelled_running",
+        "closed",
+        "detect_deadlocks",
+        "ended",
+        "failed",
+        "idle_waiters",
+        "loop",
+        "rejected",
+        "superseded",
+        "timed_out",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None, detect_deadlocks: bool) -> None:
         super().__init__()
@@ -99,6 +127,22 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         # Tasks waiting for a turn, and the keys they wait for: the deadlock check's graph
         # (kept only while deadlocks are detected).
         self.blocked: dict[Task, Sequence[Hashable]] = {}
+        # Cumulative counts for stats(); "started" and "completed" are derived from them.
+        self.ended = self.failed = self.cancelled = self.cancelled_running = 0
+        self.timed_out = self.rejected = self.superseded = 0
+
+    def count_failure(self, exc: BaseException) -> None:
+        """Count a turn that ended by raising ``exc``."""
+        if isinstance(exc, asyncio.CancelledError):
+            self.cancelled += 1
+            self.cancelled_running += 1
+        else:
+            self.failed += 1
+
+    def count_end(self, exc: BaseException | None) -> None:
+        self.ended += 1
+        if exc is not None:
+            self.count_failure(exc)
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -165,6 +209,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             if replaced is not None and replaced.done():
                 replaced = None
         if max_pending is not None and pending - (replaced is not None) >= max_pending:
+            self.rejected += 1
             raise QueueFull(key, max_pending)
         detect = holder is not None and owner is not NEW_TASK and self.detect_deadlocks
         if detect:
@@ -178,13 +223,15 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         state.pending += 1
         if state.holder is None:
             state.holder = GRANTED if owner is NEW_TASK else owner
+            state.since = time.monotonic()
             return Registration(state, None, None)
         loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
-        waiter: asyncio.Future[bool | None] = loop.create_future()
+        waiter = new_waiter(loop)
         state.waiters.append(waiter)
         if group is not None:
             if replaced is not None:
                 replaced.set_result(None)  # superseded: it never starts
+                self.superseded += 1
                 self._drop_dead_waiter(key, state)
             if state.latest is None:
                 state.latest = {}
@@ -196,6 +243,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
 
     def give_up(self, key: Hashable, registration: Registration, task: Task | None) -> None:
         """The wait for the turn was interrupted (cancelled, or another BaseException)."""
+        self.cancelled += 1
         if self.blocked:
             self.blocked.pop(task, None)  # type: ignore[arg-type]
         if registration.timer is not None:
@@ -213,8 +261,10 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             self.abandon(key, state, waiter)
             if outcome is None:
                 raise Superseded(key)
+            self.timed_out += 1
             raise TimeoutError(f"timed out waiting for the turn of key {key!r}")
         state.holder = task
+        state.since = time.monotonic()
 
     def abandon(
         self, key: Hashable, state: KeyState, waiter: asyncio.Future[bool | None] | None
@@ -306,6 +356,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             raise QueueClosed(f"queue is closed; cannot register keys {list(needed)!r}")
         for key in needed:
             if max_pending is not None and self.pending_of(key) >= max_pending:
+                self.rejected += 1
                 raise QueueFull(key, max_pending)
         busy = tuple(key for key in needed if self.holder_of(key) is not None)
         if busy and self.detect_deadlocks:
@@ -344,14 +395,20 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             timer.cancel()
         if turn.future.result() is not True:
             self.give_up_all(registration)
+            self.cancelled -= 1  # counted by give_up_all, but this was a timeout
+            self.timed_out += 1
             raise TimeoutError(f"timed out waiting for the turns of keys {list(keys)!r}")
+        now = time.monotonic()
         for key in keys:
-            self[key].holder = turn.task  # type: ignore[union-attr]
+            state: KeyState = self[key]  # type: ignore[assignment]
+            state.holder = turn.task
+            state.since = now
 
     def give_up_all(self, registration: MultiRegistration) -> None:
         """A multi-key call stops before running: pass on what it holds, leave the rest."""
         turn, keys, timer = registration
         assert turn is not None  # only a call that had to wait can give up
+        self.cancelled += 1
         if self.blocked:
             self.blocked.pop(turn.task, None)
         if timer is not None:
