@@ -8,6 +8,7 @@ different keys run concurrently. See :class:`KeyedSerialQueue` and
 from ._decorator import SerialQueue, serialized
 from ._default import default_queue
 from ._errors import DeadlockError, QueueClosed, QueueFull, Superseded
+from ._observe import QueueObserver
 from ._queue import KeyedSerialQueue
 from ._stats import QueueStats
 
@@ -16,6 +17,7 @@ __all__ = [
     "KeyedSerialQueue",
     "QueueClosed",
     "QueueFull",
+    "QueueObserver",
     "QueueStats",
     "SerialQueue",
     "Superseded",

@@ -7,13 +7,16 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._deadlock import check_no_cycle
 from ._errors import DeadlockError, QueueClosed
 from ._loops import get_running_loop, task_of
 from ._state import GRANTED, NEW_TASK, KeyState, MultiRegistration, Partition, Registration
 from ._stats import QueueStats, snapshot
+
+if TYPE_CHECKING:
+    from ._observe import QueueObserver
 
 T = TypeVar("T")
 
@@ -54,9 +57,14 @@ class KeyedSerialQueue:
         detect_deadlocks: check, whenever a call must wait, that the wait does
             not close a cycle of tasks waiting on each other, and raise
             :class:`DeadlockError` instead of hanging. Only waiting calls pay.
+        observer: a :class:`QueueObserver` told of every call's registration,
+            start (with time waited) and finish (with time run and outcome).
+        slow_turn: seconds; a turn running longer logs one warning through the
+            ``keyserial`` logger, naming the key and the function.
 
     Raises:
-        ValueError: ``max_pending`` is not ``None`` or an int >= 1.
+        ValueError: ``max_pending`` is not ``None`` or an int >= 1, or
+            ``slow_turn`` is not ``None`` or a number > 0.
 
     Example:
         >>> import asyncio
@@ -74,7 +82,30 @@ class KeyedSerialQueue:
 
     __slots__ = ("_cached", "_detect_deadlocks", "_max_pending", "_partitions", "_switch_lock")
 
-    def __init__(self, max_pending: int | None = None, *, detect_deadlocks: bool = True) -> None:
+    def __new__(
+        cls,
+        max_pending: int | None = None,
+        *,
+        detect_deadlocks: bool = True,
+        observer: QueueObserver | None = None,
+        slow_turn: float | None = None,
+    ) -> KeyedSerialQueue:
+        if cls is KeyedSerialQueue and (observer is not None or slow_turn is not None):
+            # Only an observed queue runs the code that times calls: a plain queue's
+            # uncontended path stays as fast as it is without observers.
+            from ._observe import ObservedQueue
+
+            cls = ObservedQueue
+        return object.__new__(cls)
+
+    def __init__(
+        self,
+        max_pending: int | None = None,
+        *,
+        detect_deadlocks: bool = True,
+        observer: QueueObserver | None = None,
+        slow_turn: float | None = None,
+    ) -> None:
         if max_pending is not None and (
             isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1
         ):

@@ -1,0 +1,271 @@
+"""Watching a queue: observer hooks and slow-turn warnings.
+
+A queue made with an ``observer`` or a ``slow_turn`` threshold is an
+``ObservedQueue``: it wraps each call so that it is timed from registration
+to start to finish. A queue made without them never runs this code, so its
+uncontended path pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable, Hashable, Iterable
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+from ._errors import QueueClosed, QueueFull, Superseded
+from ._queue import KeyedSerialQueue, _KeyLock, _KeysLock
+from ._stats import QueueStats
+
+T = TypeVar("T")
+
+logger = logging.getLogger("keyserial")
+
+Outcome = Literal["completed", "failed", "cancelled", "timed_out", "rejected", "superseded"]
+
+
+class QueueObserver:
+    """Hooks a queue calls as calls register, start and finish; subclass and override.
+
+    Every hook runs synchronously in the event loop, so keep it short. An
+    exception raised by a hook is logged through the ``keyserial`` logger and
+    otherwise ignored: a failing observer never breaks the queue.
+
+    ``function`` is the qualified name of the called function. ``outcome`` is
+    one of ``"completed"``, ``"failed"``, ``"cancelled"``, ``"timed_out"``,
+    ``"rejected"`` (``max_pending`` or a closed queue) or ``"superseded"``;
+    ``ran`` is ``None`` for a call that never started.
+
+    Example:
+        >>> from keyserial import KeyedSerialQueue, QueueObserver
+        >>> class PrintWaits(QueueObserver):
+        ...     def on_start(self, key, function, waited):
+        ...         print(f"{function} waited {waited:.0f} s for {key!r}")
+        >>> queue = KeyedSerialQueue(observer=PrintWaits())
+    """
+
+    def on_register(self, key: Hashable, function: str) -> None:
+        """A call registered for ``key``."""
+
+    def on_start(self, key: Hashable, function: str, waited: float) -> None:
+        """A call started its turn after waiting ``waited`` seconds."""
+
+    def on_finish(
+        self, key: Hashable, function: str, waited: float, ran: float | None, outcome: Outcome
+    ) -> None:
+        """A call ended: it waited ``waited`` s, ran ``ran`` s (None if it never started)."""
+
+
+def _outcome_before_start(exc: BaseException) -> Outcome:
+    if isinstance(exc, (QueueFull, QueueClosed)):
+        return "rejected"
+    if isinstance(exc, Superseded):
+        return "superseded"
+    if isinstance(exc, TimeoutError):
+        return "timed_out"
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    return "failed"
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class _Watch:
+    """One call being watched, from registration to finish."""
+
+    __slots__ = ("function", "key", "loop", "queue", "registered", "started", "timer")
+
+    def __init__(self, queue: ObservedQueue, key: Hashable, function: str) -> None:
+        self.queue = queue
+        self.key = key
+        self.function = function
+        self.registered = time.monotonic()
+        self.started: float | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.loop = asyncio.get_running_loop()
+        queue._notify("on_register", key, self.function)
+
+    def start(self) -> None:
+        self.started = now = time.monotonic()
+        self.queue._running.add(self)
+        if self.queue._slow_turn is not None:
+            self.timer = self.loop.call_later(self.queue._slow_turn, self._warn_slow)
+        self.queue._notify("on_start", self.key, self.function, now - self.registered)
+
+    def finish(self, exc: BaseException | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        now = time.monotonic()
+        started = self.started
+        waited = (started if started is not None else now) - self.registered
+        outcome: Outcome
+        if started is None:
+            outcome = _outcome_before_start(exc) if exc is not None else "cancelled"
+        elif exc is None:
+            outcome = "completed"
+        else:
+            outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
+        self.queue._running.discard(self)
+        ran = None if started is None else now - started
+        self.queue._notify("on_finish", self.key, self.function, waited, ran, outcome)
+
+    def _warn_slow(self) -> None:
+        logger.warning(
+            "keyserial: %s has held the turn of key %r for more than %s s",
+            self.function,
+            self.key,
+            self.queue._slow_turn,
+        )
+
+    async def run(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` as the watched call's turn."""
+        self.start()
+        return await fn(*args, **kwargs)
+
+    async def watch(self, call: Awaitable[T]) -> T:
+        """Await ``call``, the whole watched call, and report how it finished."""
+        try:
+            result = await call
+        except BaseException as exc:
+            self.finish(exc)
+            raise
+        self.finish(None)
+        return result
+
+
+class ObservedQueue(KeyedSerialQueue):
+    """A :class:`KeyedSerialQueue` that reports each call to an observer and warns of slow turns.
+
+    Made by ``KeyedSerialQueue(observer=..., slow_turn=...)``; see there.
+    """
+
+    __slots__ = ("_observer", "_running", "_slow_turn")
+
+    def __init__(
+        self,
+        max_pending: int | None = None,
+        *,
+        detect_deadlocks: bool = True,
+        observer: QueueObserver | None = None,
+        slow_turn: float | None = None,
+    ) -> None:
+        super().__init__(max_pending, detect_deadlocks=detect_deadlocks)
+        if slow_turn is not None and not slow_turn > 0:
+            raise ValueError(f"slow_turn must be None or a number > 0, got {slow_turn!r}")
+        self._observer = observer
+        self._slow_turn = slow_turn
+        self._running: set[_Watch] = set()
+
+    def _notify(self, hook: str, *args: Any) -> None:
+        if self._observer is None:
+            return
+        try:
+            getattr(self._observer, hook)(*args)
+        except Exception:
+            logger.exception("keyserial: observer %r failed in %s", self._observer, hook)
+
+    async def run(
+        self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+    ) -> T:
+        watch = _Watch(self, key, _name(fn))
+        return await watch.watch(super().run(key, watch.run, fn, *args, **kwargs))
+
+    async def call(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+        group: Hashable | None = None,
+    ) -> T:
+        watch = _Watch(self, key, _name(fn))
+        call = super().call(key, watch.run, (fn, *args), kwargs, timeout, group)
+        return await watch.watch(call)
+
+    def submit(
+        self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+    ) -> asyncio.Task[T]:
+        watch = _Watch(self, key, _name(fn))
+        try:
+            task = super().submit(key, watch.run, fn, *args, **kwargs)
+        except BaseException as exc:
+            watch.finish(exc)
+            raise
+        task.add_done_callback(
+            lambda done: watch.finish(
+                asyncio.CancelledError() if done.cancelled() else done.exception()
+            )
+        )
+        return task
+
+    async def run_all(
+        self,
+        keys: Iterable[Hashable],
+        fn: Callable[..., Awaitable[T]],
+        /,
+        *args: Any,
+        **kwargs: Any,
+    ) -> T:
+        keys = tuple(keys)
+        watch = _Watch(self, keys, _name(fn))
+        return await watch.watch(super().run_all(keys, watch.run, fn, *args, **kwargs))
+
+    def lock(
+        self, key: Hashable, timeout: float | None = None, group: Hashable | None = None
+    ) -> _KeyLock:
+        return _ObservedLock(self, key, super().lock(key, timeout, group))  # type: ignore[return-value]
+
+    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> _KeysLock:
+        keys = tuple(keys)
+        return _ObservedLock(self, keys, super().lock_all(keys, timeout))  # type: ignore[return-value]
+
+    def stats(self) -> QueueStats:
+        """As :meth:`KeyedSerialQueue.stats`, with every running turn timed exactly."""
+        base = super().stats()
+        part = self._inspected()
+        now = time.monotonic()
+        watches = [w for w in self._running if w.started is not None and w.loop is part.loop]
+        if not watches:
+            return base
+        longest = max(watches, key=lambda w: now - w.started)  # type: ignore[operator]
+        running = (longest.key, now - longest.started)  # type: ignore[operator]
+        return dataclasses.replace(base, longest_running=running)
+
+
+class _ObservedLock:
+    """``lock()``/``lock_all()`` of an observed queue: the block is the watched call."""
+
+    __slots__ = ("_inner", "_key", "_queue", "_watch")
+
+    def __init__(self, queue: ObservedQueue, key: Hashable, inner: _KeyLock | _KeysLock) -> None:
+        self._queue = queue
+        self._key = key
+        self._inner = inner
+        self._watch: _Watch | None = None
+
+    async def __aenter__(self) -> None:
+        self._watch = watch = _Watch(self._queue, self._key, "lock")  # registers now
+        try:
+            await self._inner.__aenter__()
+        except BaseException as exc:
+            watch.finish(exc)
+            raise
+        watch.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self._inner.__aexit__(exc_type, exc, tb)
+        finally:
+            if self._watch is not None:
+                self._watch.finish(exc)
