@@ -27,6 +27,8 @@ async def run(
     tables.append(await scenarios.decorated(calls, repeats))
     tables += await scenarios.contended(adapters, calls, max(3, repeats // 2))
     tables += await scenarios.multi_key(calls // 2, repeats)
+    tables.append(await scenarios.observability(calls, repeats))
+    tables.append(await scenarios.coalescing(calls // 2, max(3, repeats // 2)))
     tables.append(await scenarios.hand_off(adapters, calls // 4, repeats))
     waiter_tables, curves = await scenarios.many_waiters(
         [a for a in adapters if a.name != "bare await"], waiter_sizes, max(3, repeats // 2)

@@ -226,6 +226,88 @@ async def multi_key(calls: int, repeats: int) -> list[Table]:
     return [two_keys, check]
 
 
+async def observability(calls: int, repeats: int) -> Table:
+    """What stats() counting, an observer and a slow-turn threshold cost an uncontended call."""
+    from keyserial import QueueObserver
+
+    from .reference import UncountedQueue
+
+    queues = {
+        "queue.run, no observer": KeyedSerialQueue(),
+        "same body without the stats counters": UncountedQueue(),
+        "queue.run, no-op observer": KeyedSerialQueue(observer=QueueObserver()),
+        "queue.run, slow_turn=60": KeyedSerialQueue(slow_turn=60.0),
+    }
+    keys = range(calls)
+
+    def sequential(queue: KeyedSerialQueue) -> Callable[[], Coroutine[Any, Any, None]]:
+        async def run() -> None:
+            for key in keys:
+                await queue.run(key, noop)
+
+        return run
+
+    seconds = await interleave([Variant(n, sequential(q)) for n, q in queues.items()], repeats)
+    return Table(
+        "observability",
+        f"Observability: {calls:,} sequential uncontended calls on distinct keys",
+        "ns/call",
+        _ns_per_call(seconds, calls),
+        reference="queue.run, no observer",
+    )
+
+
+async def coalescing(burst: int, repeats: int) -> Table:
+    """A burst of calls for one slow key, with and without latest-wins coalescing."""
+    peaks: dict[str, tuple[int, int]] = {}
+
+    def burst_variant(name: str, group: str | None) -> Variant:
+        async def run() -> None:
+            queue = KeyedSerialQueue()
+            gate = asyncio.Event()
+            ran = 0
+
+            async def hold() -> None:
+                await gate.wait()
+
+            async def save(i: int) -> None:
+                nonlocal ran
+                ran += 1
+
+            holder = asyncio.ensure_future(queue.run("seg", hold))
+            await asyncio.sleep(0)
+            tasks = [
+                asyncio.ensure_future(queue.call("seg", save, (i,), {}, None, group))
+                for i in range(burst)
+            ]
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # superseded calls resume and leave
+            pending = queue.pending("seg")
+            gate.set()
+            await asyncio.gather(holder, *tasks, return_exceptions=True)
+            peaks[name] = (pending, ran)
+
+        return Variant(name, run)
+
+    variants = [
+        burst_variant("coalesce (group=...)", "partials"),
+        burst_variant("no coalescing", None),
+    ]
+    seconds = await interleave(variants, repeats)
+    table = Table(
+        "coalescing",
+        f"Coalescing: a burst of {burst:,} calls for one key behind a slow call",
+        "ns/call",
+        _ns_per_call(seconds, burst),
+        reference="coalesce (group=...)",
+    )
+    table.notes.append(
+        "pending calls on the key after the burst, and calls that ran: "
+        + ", ".join(f"{name}: {p:,} pending, {r:,} ran" for name, (p, r) in peaks.items())
+    )
+    return table
+
+
 async def hand_off(adapters: Sequence[Adapter], rounds: int, repeats: int) -> Table:
     def ping_pong(adapter: Adapter) -> Variant:
         async def player() -> None:

@@ -1,0 +1,63 @@
+"""A reference copy of ``KeyedSerialQueue.run`` as it was before stats() counted turns.
+
+The benchmark runs it beside the real ``run`` to price, in the same process, the lines
+that count turns and failures on the uncontended path. It is the real method's body
+with those lines removed, and nothing else; keep it so.
+"""
+
+# mypy: ignore-errors
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, TypeVar
+
+from keyserial import KeyedSerialQueue
+from keyserial._errors import QueueClosed
+from keyserial._loops import get_running_loop, task_of
+from keyserial._queue import _unhashable
+
+T = TypeVar("T")
+
+
+class UncountedQueue(KeyedSerialQueue):
+    __slots__ = ()
+
+    async def run(
+        self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+    ) -> T:
+        timeout = None
+        loop = get_running_loop()
+        part = self._cached
+        if part.loop is not loop:
+            part = self._partition(loop)
+        task = task_of(loop)
+        if task is None:
+            raise RuntimeError("keyserial calls must run inside an asyncio task")
+        try:
+            holder = part.get(key)
+        except TypeError:
+            raise _unhashable(key) from None
+        if holder is None:
+            if part.closed:
+                raise QueueClosed(f"queue is closed; cannot register key {key!r}")
+            part[key] = task  # the uncontended path: one dict entry, nothing else
+        else:
+            registration = part.register(key, holder, task, timeout, self._max_pending)
+            if registration is None:  # re-entry: run inside the turn this task holds
+                return await fn(*args, **kwargs)
+            if registration.waiter is not None:
+                try:
+                    await registration.waiter
+                except BaseException:
+                    part.give_up(key, registration, task)
+                    raise
+            part.take_turn(key, registration, task)
+        try:
+            if kwargs:
+                return await fn(*args, **kwargs)
+            return await fn(*args)  # unpacking an empty **kwargs costs measurably here
+        finally:
+            held = part.pop(key)
+            if held is not task or part.idle_waiters:
+                part.after_turn(key, held, task)
