@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -52,7 +53,9 @@ def snapshot(part: Partition, now: float) -> QueueStats:
         if type(held) is not KeyState:
             holders.add(id(held))
             continue
-        if held.holder is not None:
+        # Only a resumed task runs; a turn handed over but not resumed yet, or held by a
+        # multi-key call still collecting its other keys, is not running.
+        if isinstance(held.holder, asyncio.Task):
             holders.add(id(held.holder))
             if longest_running is None or now - held.since > longest_running[1]:
                 longest_running = (key, now - held.since)

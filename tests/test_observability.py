@@ -262,3 +262,22 @@ async def test_observed_queue_times_uncontended_turns_exactly() -> None:
 async def test_bad_slow_turn_is_rejected() -> None:
     with pytest.raises(ValueError, match="slow_turn"):
         KeyedSerialQueue(slow_turn=0)
+
+
+async def test_stats_count_a_multi_key_call_collecting_keys_as_waiting() -> None:
+    queue = KeyedSerialQueue()
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        await gate.wait()
+
+    holder = asyncio.create_task(queue.run("b", hold))
+    await settle()
+    merge = asyncio.create_task(queue.run_all(["a", "b"], hold))
+    await settle()
+    stats = queue.stats()
+    assert (stats.keys, stats.running, stats.waiting) == (2, 1, 1)
+    assert stats.longest_running is not None and stats.longest_running[0] == "b"
+    gate.set()
+    await asyncio.gather(holder, merge)
+    assert queue.stats().started == 2
