@@ -8,28 +8,9 @@ import pytest
 
 from keyserial import KeyedSerialQueue
 
-from .scheduling import settle
+from .scheduling import Recorder, settle
 
 pytestmark = pytest.mark.asyncio
-
-
-class Recorder:
-    """Calls that log their start and end and block until released."""
-
-    def __init__(self) -> None:
-        self.log: list[str] = []
-        self.gates: dict[str, asyncio.Event] = {}
-
-    def gate(self, name: str) -> asyncio.Event:
-        return self.gates.setdefault(name, asyncio.Event())
-
-    async def step(self, name: str) -> str:
-        self.log.append(f"start {name}")
-        try:
-            await self.gate(name).wait()
-        finally:
-            self.log.append(f"end {name}")
-        return name
 
 
 async def test_cancelled_waiter_never_starts_and_order_is_kept() -> None:

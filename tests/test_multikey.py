@@ -8,26 +8,9 @@ import pytest
 
 from keyserial import KeyedSerialQueue, QueueFull, serialized
 
-from .scheduling import settle
+from .scheduling import Recorder, settle
 
 pytestmark = pytest.mark.asyncio
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.log: list[str] = []
-        self.gates: dict[str, asyncio.Event] = {}
-
-    def gate(self, name: str) -> asyncio.Event:
-        return self.gates.setdefault(name, asyncio.Event())
-
-    async def step(self, name: str) -> str:
-        self.log.append(f"start {name}")
-        try:
-            await self.gate(name).wait()
-        finally:
-            self.log.append(f"end {name}")
-        return name
 
 
 async def test_multi_key_call_holds_every_key_until_it_ends() -> None:
