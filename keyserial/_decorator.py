@@ -63,6 +63,8 @@ else:  # older wrapt releases cannot be subscripted at run time
 class _BoundSerializedFunction(_BoundFunctionWrapper):
     """A serialized method bound to its instance or class."""
 
+    __slots__ = ()  # made on every attribute access: no per-instance __dict__ to allocate
+
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         owner = self._self_instance if self._self_instance is not None else self._self_owner
         return getattr, (owner, self.__name__)
