@@ -59,5 +59,5 @@ class UncountedQueue(KeyedSerialQueue):
             return await fn(*args)  # unpacking an empty **kwargs costs measurably here
         finally:
             held = part.pop(key)
-            if held is not task or part.idle_waiters:
+            if held is not task or part.attention:
                 part.after_turn(key, held, task)

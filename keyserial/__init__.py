@@ -8,6 +8,7 @@ different keys run concurrently. See :class:`KeyedSerialQueue` and
 from ._decorator import SerialQueue, serialized
 from ._default import default_queue
 from ._errors import DeadlockError, QueueClosed, QueueFull, Superseded
+from ._fence import current_fence
 from ._observe import QueueObserver
 from ._queue import KeyedSerialQueue
 from ._stats import QueueStats
@@ -21,6 +22,7 @@ __all__ = [
     "QueueStats",
     "SerialQueue",
     "Superseded",
+    "current_fence",
     "default_queue",
     "serialized",
 ]

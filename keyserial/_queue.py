@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._deadlock import check_no_cycle
 from ._errors import DeadlockError, QueueClosed
+from ._fence import enter_lock_block, exit_lock_block, register_turn_code
 from ._loops import get_running_loop, task_of
 from ._state import GRANTED, NEW_TASK, KeyState, MultiRegistration, Partition, Registration
 from ._stats import QueueStats, snapshot
@@ -223,7 +226,7 @@ class KeyedSerialQueue:
         finally:
             part.ended += 1
             held = part.pop(key)
-            if held is not task or part.idle_waiters:
+            if held is not task or part.attention:
                 part.after_turn(key, held, task)
 
     async def call(
@@ -298,7 +301,7 @@ class KeyedSerialQueue:
         finally:
             part.ended += 1
             held = part.pop(key)
-            if held is not task or part.idle_waiters:
+            if held is not task or part.attention:
                 part.after_turn(key, held, task)
 
     def submit(
@@ -555,6 +558,7 @@ class KeyedSerialQueue:
             return
         idle: asyncio.Future[None] = part.loop.create_future()  # type: ignore[union-attr]
         part.idle_waiters.append(idle)
+        part.attention = True
         await idle
 
     async def aclose(self) -> None:
@@ -631,7 +635,7 @@ class _Submission:
 class _KeyLock:
     """The async context manager returned by :meth:`KeyedSerialQueue.lock`."""
 
-    __slots__ = ("_group", "_key", "_part", "_queue", "_task", "_timeout")
+    __slots__ = ("_fence_token", "_group", "_key", "_part", "_queue", "_task", "_timeout")
 
     def __init__(
         self, queue: KeyedSerialQueue, key: Hashable, timeout: float | None, group: Hashable | None
@@ -642,6 +646,7 @@ class _KeyLock:
         self._group = group
         self._part: Partition | None = None
         self._task: Task | None = None
+        self._fence_token: Token[Any] | None = None
 
     async def __aenter__(self) -> None:
         if self._part is not None:
@@ -668,6 +673,8 @@ class _KeyLock:
                 return  # re-entry: the outer turn stays in charge of releasing
             await queue._await_turn(part, key, registration)
         self._part, self._task = part, task
+        owner = sys._getframe(1)  # the coroutine running the ``async with`` block
+        self._fence_token = enter_lock_block(owner, lambda: part.fence_for((key,)))
 
     async def __aexit__(
         self,
@@ -678,6 +685,9 @@ class _KeyLock:
         part, task = self._part, self._task
         if part is not None and task is not None:
             self._part = self._task = None
+            if self._fence_token is not None:
+                exit_lock_block(self._fence_token)
+                self._fence_token = None
             part.count_end(exc)
             part.leave(self._key, task)
 
@@ -685,7 +695,7 @@ class _KeyLock:
 class _KeysLock:
     """The async context manager returned by :meth:`KeyedSerialQueue.lock_all`."""
 
-    __slots__ = ("_held", "_keys", "_queue", "_timeout")
+    __slots__ = ("_fence_token", "_held", "_keys", "_queue", "_timeout")
 
     def __init__(
         self, queue: KeyedSerialQueue, keys: Iterable[Hashable], timeout: float | None
@@ -694,11 +704,14 @@ class _KeysLock:
         self._keys = keys
         self._timeout = timeout
         self._held: tuple[Partition, MultiRegistration] | None = None
+        self._fence_token: Token[Any] | None = None
 
     async def __aenter__(self) -> None:
         if self._held is not None:
             raise RuntimeError("a keyserial lock_all() object cannot be entered twice at once")
-        self._held = await self._queue._acquire_all(self._keys, self._timeout)
+        self._held = part, registration = await self._queue._acquire_all(self._keys, self._timeout)
+        owner = sys._getframe(1)  # the coroutine running the ``async with`` block
+        self._fence_token = enter_lock_block(owner, lambda: part.fence_for(registration.keys))
 
     async def __aexit__(
         self,
@@ -709,5 +722,23 @@ class _KeysLock:
         if self._held is not None:
             part, registration = self._held
             self._held = None
+            if self._fence_token is not None:
+                exit_lock_block(self._fence_token)
+                self._fence_token = None
             part.count_end(exc)
             part.leave_all(registration, task_of(part.loop))  # type: ignore[arg-type]
+
+
+def _single_key_fence(frame: Mapping[str, Any]) -> int | None:
+    return frame["part"].fence_for((frame["key"],))  # type: ignore[no-any-return]
+
+
+def _multi_key_fence(frame: Mapping[str, Any]) -> int | None:
+    return frame["part"].fence_for(frame["registration"].keys)  # type: ignore[no-any-return]
+
+
+# Frames of these methods run a turn: current_fence() finds them on the task's await chain.
+register_turn_code(KeyedSerialQueue.run.__code__, _single_key_fence)
+register_turn_code(KeyedSerialQueue.call.__code__, _single_key_fence)
+register_turn_code(_Submission.execute.__code__, _single_key_fence)
+register_turn_code(KeyedSerialQueue.run_all.__code__, _multi_key_fence)

@@ -104,6 +104,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
     """One event loop's share of a queue: key -> holding task, or ``KeyState`` once contended."""
 
     __slots__ = (
+        "attention",
         "blocked",
         "cancelled",
         "cancelled_running",
@@ -111,6 +112,8 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         "detect_deadlocks",
         "ended",
         "failed",
+        "fence_counter",
+        "fences",
         "idle_waiters",
         "loop",
         "rejected",
@@ -123,6 +126,12 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         self.loop = loop
         self.closed = False
         self.idle_waiters: list[asyncio.Future[None]] = []
+        # Fences handed out by current_fence() to turns still running, by key.
+        self.fences: dict[Hashable, int] = {}
+        self.fence_counter = 0
+        # True while a turn's end has more to do than free the key: wake join(), drop a
+        # fence. The uncontended path checks this one flag instead of each reason.
+        self.attention = False
         self.detect_deadlocks = detect_deadlocks
         # Tasks waiting for a turn, and the keys they wait for: the deadlock check's graph
         # (kept only while deadlocks are detected).
@@ -154,9 +163,27 @@ class Partition(dict[Hashable, "Task | KeyState"]):
 
     def wake_idle(self) -> None:
         waiters, self.idle_waiters = self.idle_waiters, []
+        self.attention = bool(self.fences)
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def fence_for(self, keys: Sequence[Hashable]) -> int | None:
+        """The fence of the running turn holding ``keys``, handed out on first request."""
+        if not keys:
+            return None  # a nested multi-key turn that needed no key of its own
+        fence = self.fences.get(keys[0])
+        if fence is None:
+            self.fence_counter += 1
+            fence = self.fence_counter
+            for key in keys:
+                self.fences[key] = fence
+            self.attention = True
+        return fence
+
+    def _drop_fence(self, key: Hashable) -> None:
+        if self.fences.pop(key, None) is not None:
+            self.attention = bool(self.fences or self.idle_waiters)
 
     def holder_of(self, key: Hashable) -> object:
         held = self.get(key)
@@ -295,6 +322,8 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         """End the current turn of a contended key: hand it to the next live waiter, if any."""
         if self.loop.is_closed():  # type: ignore[union-attr]
             return  # a coroutine finalized after its loop closed: that share is gone
+        if self.fences:
+            self._drop_fence(key)
         state.pending -= 1
         waiters = state.waiters
         while waiters:
@@ -318,13 +347,15 @@ class Partition(dict[Hashable, "Task | KeyState"]):
     def leave(self, key: Hashable, task: Task) -> None:
         """End ``task``'s turn of ``key``."""
         held = self.pop(key)
-        if held is not task or self.idle_waiters:
+        if held is not task or self.attention:
             self.after_turn(key, held, task)
 
     def after_turn(self, key: Hashable, held: Task | KeyState, task: Task) -> None:
         """Finish a turn whose entry ``held`` was popped: hand it on, or wake ``join``."""
         if held is task:
-            if not self:
+            if self.fences:
+                self._drop_fence(key)
+            if not self and self.idle_waiters:
                 self.wake_idle()
         else:
             self[key] = held

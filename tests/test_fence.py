@@ -1,0 +1,105 @@
+"""current_fence() with the in-process queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from keyserial import KeyedSerialQueue, current_fence, serialized
+
+from .scheduling import settle
+
+
+@pytest.mark.asyncio
+async def test_fences_increase_per_key_and_are_stable_within_a_turn() -> None:
+    queue = KeyedSerialQueue()
+    seen: list[tuple[str, int]] = []
+
+    async def write(name: str) -> None:
+        first = current_fence()
+        await asyncio.sleep(0)
+        assert current_fence() == first  # stable for the whole turn
+        seen.append((name, first))
+
+    await asyncio.gather(*(queue.run("k", write, f"w{i}") for i in range(5)))
+    fences = [fence for _, fence in seen]
+    assert [name for name, _ in seen] == [f"w{i}" for i in range(5)]
+    assert fences == sorted(set(fences))
+    assert queue._cached.fences == {} and not queue._cached.attention
+
+
+@pytest.mark.asyncio
+async def test_every_way_of_taking_a_turn_has_a_fence() -> None:
+    queue = KeyedSerialQueue()
+    fences: list[int] = []
+
+    async def note() -> int:
+        fences.append(current_fence())
+        return fences[-1]
+
+    @serialized(key="k", queue=queue)
+    async def decorated(k: str) -> int:
+        return await note()
+
+    await queue.run("k", note)
+    await queue.call("k", note, (), {}, 1.0)
+    await decorated("k")
+    await queue.submit("k", note)
+    await queue.run_all(["k", "other"], note)
+    async with queue.lock("k"):
+        fences.append(current_fence())
+    async with queue.lock_all(["k", "x"]):
+        fences.append(current_fence())
+    assert fences == sorted(set(fences)) and len(fences) == 7
+    assert len(queue) == 0 and queue._cached.fences == {}
+
+
+@pytest.mark.asyncio
+async def test_innermost_turn_wins_and_reentry_shares_the_outer_fence() -> None:
+    queue = KeyedSerialQueue()
+    record: dict[str, int] = {}
+
+    async def inner_b() -> None:
+        record["b"] = current_fence()
+
+    async def reenter_a() -> None:
+        record["a again"] = current_fence()
+
+    async def outer_a() -> None:
+        record["a"] = current_fence()
+        await queue.run("b", inner_b)
+        await queue.run("a", reenter_a)  # same task, same key: the same turn
+        async with queue.lock("a"):
+            record["a block"] = current_fence()
+        record["a after"] = current_fence()
+
+    await queue.run("a", outer_a)
+    assert record["a"] == record["a again"] == record["a block"] == record["a after"]
+    assert record["b"] != record["a"]
+
+
+@pytest.mark.asyncio
+async def test_outside_a_turn_is_a_runtime_error() -> None:
+    with pytest.raises(RuntimeError, match="inside a keyserial turn"):
+        current_fence()
+    queue = KeyedSerialQueue()
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        await gate.wait()
+
+    holder = asyncio.create_task(queue.run("k", hold))
+    await settle()
+    # A child task of nothing, and code after a block ended, are outside any turn.
+    async with queue.lock("other"):
+        pass
+    with pytest.raises(RuntimeError):
+        current_fence()
+    gate.set()
+    await holder
+
+
+def test_outside_any_task_is_a_runtime_error() -> None:
+    with pytest.raises(RuntimeError, match="inside a keyserial turn"):
+        current_fence()
