@@ -7,7 +7,7 @@ different keys run concurrently. See :class:`KeyedSerialQueue` and
 
 from ._decorator import SerialQueue, serialized
 from ._default import default_queue
-from ._errors import DeadlockError, QueueClosed, QueueFull, Superseded
+from ._errors import DeadlockError, LeaseLost, QueueClosed, QueueFull, Superseded
 from ._fence import current_fence
 from ._observe import QueueObserver
 from ._queue import KeyedSerialQueue
@@ -16,6 +16,7 @@ from ._stats import QueueStats
 __all__ = [
     "DeadlockError",
     "KeyedSerialQueue",
+    "LeaseLost",
     "QueueClosed",
     "QueueFull",
     "QueueObserver",

@@ -77,3 +77,23 @@ class Superseded(Exception):
     def __init__(self, key: Hashable) -> None:
         super().__init__(f"superseded by a newer call for key {key!r} before it started")
         self.key = key
+
+
+class LeaseLost(RuntimeError):
+    """A distributed turn's lease was lost while its call ran.
+
+    The holder was paused (or cut off from Redis) past its lease, or Redis lost
+    its data, so the key may already have been granted to another caller with
+    a higher fence. A resource that checks fences refuses this call's late
+    writes; this exception tells the call itself. ``key`` is the encoded key and
+    ``fence`` the fence of the lost turn.
+
+    Example:
+        >>> LeaseLost("kc2VnLTE", 7).fence
+        7
+    """
+
+    def __init__(self, key: str, fence: int) -> None:
+        super().__init__(f"the lease of key {key!r} (fence {fence}) was lost during the call")
+        self.key = key
+        self.fence = fence

@@ -47,30 +47,30 @@ def exit_lock_block(token: Token[Any]) -> None:
 def current_fence() -> int:
     """The fencing token of the innermost turn that the calling code runs in.
 
-        Fences increase strictly, per key, for every turn granted: pass the fence
-        along with a write and let the store refuse a write whose fence is lower
-        than the highest it has seen. With the Redis backend the fence comes from
-        Redis and orders the turns of every process; with the in-process queue it
-        comes from a counter of the queue (per event loop), handed out on first
-        request and stable for the rest of the turn.
+    Fences increase strictly, per key, for every turn granted: pass the fence
+    along with a write and let the store refuse a write whose fence is lower
+    than the highest it has seen. With the Redis backend the fence comes from
+    Redis and orders the turns of every process; with the in-process queue it
+    comes from a counter of the queue (per event loop), handed out on first
+    request and stable for the rest of the turn.
 
-        Raises:
-            RuntimeError: not called from inside a turn (a serialized call, a
-                ``run``/``call``/``submit``/``run_all`` function, or a
-                ``lock()``/``lock_all()`` block).
+    Raises:
+        RuntimeError: not called from inside a turn (a serialized call, a
+            ``run``/``call``/``submit``/``run_all`` function, or a
+            ``lock()``/``lock_all()`` block).
 
-        Example:
-            >>> import asyncio
-            >>> from keyserial import KeyedSerialQueue, current_fence
-            >>> async def main() -> bool:
-            ...     queue = KeyedSerialQueue()
-            ...     async def write() -> int:
-            ...         return current_fence()
-            ...     first = await queue.run("k", write)
-            ...     second = await queue.run("k", write)
-            ...     return second > first
-            >>> asyncio.run(main())
-            True
+    Example:
+        >>> import asyncio
+        >>> from keyserial import KeyedSerialQueue, current_fence
+        >>> async def main() -> bool:
+        ...     queue = KeyedSerialQueue()
+        ...     async def write() -> int:
+        ...         return current_fence()
+        ...     first = await queue.run("k", write)
+        ...     second = await queue.run("k", write)
+        ...     return second > first
+        >>> asyncio.run(main())
+        True
     """
     blocks = {id(frame): fence for frame, fence in _lock_blocks.get()}
     # The coroutines awaiting each other are all running now, one calling the next:

@@ -1,0 +1,504 @@
+"""A keyed serial queue shared by processes and machines through Redis.
+
+Extra: ``pip install "keyserial[redis]"``. See :class:`RedisKeyedQueue`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import logging
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping
+from contextvars import Token
+from types import TracebackType
+from typing import Any, TypeVar
+
+import redis.asyncio as redis_asyncio
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from . import _redis_scripts as scripts
+from ._errors import LeaseLost
+from ._fence import enter_lock_block, exit_lock_block, register_turn_code
+from ._queue import KeyedSerialQueue
+
+__all__ = ["RedisKeyedQueue", "RedisUnavailable", "encode_key"]
+
+T = TypeVar("T")
+Task = asyncio.Task[Any]
+
+logger = logging.getLogger("keyserial")
+
+#: Encoded keys longer than this are replaced by their SHA-256, so Redis key names stay short.
+MAX_ENCODED_KEY = 200
+#: How many grant notifications are kept for waiters whose request has not returned yet.
+_EARLY_GRANTS = 1024
+
+
+class RedisUnavailable(ConnectionError):
+    """Redis could not be reached (or answered with an error); the call did not run.
+
+    A call never runs without holding its turn: when Redis is unreachable,
+    registering or waiting fails with this error. Once Redis is back, the queue
+    works again without being recreated.
+
+    Example:
+        >>> issubclass(RedisUnavailable, ConnectionError)
+        True
+    """
+
+
+def _serialize(key: object) -> bytes:
+    if isinstance(key, str):
+        data = key.encode()
+        return b"s%d:%s" % (len(data), data)
+    if isinstance(key, bytes):
+        return b"b%d:%s" % (len(key), key)
+    if isinstance(key, int):
+        return b"i%d;" % key
+    if isinstance(key, tuple):
+        return b"t%d:" % len(key) + b"".join(_serialize(item) for item in key)
+    raise TypeError(
+        f"RedisKeyedQueue keys must be str, bytes, int or tuples of them, not {type(key).__name__}"
+    )
+
+
+def encode_key(key: object) -> str:
+    """The Redis-safe name of ``key``: distinct keys never share a name.
+
+    The key is serialized with its type and length, so ``"1"``, ``1``,
+    ``b"1"`` and ``("1",)`` all differ, then written in URL-safe base64, which
+    has no character that could end the hash tag or leave the namespace. Long
+    keys are replaced by their SHA-256 (prefixed so that no short key's name
+    can equal a hashed one).
+
+    Raises:
+        TypeError: ``key`` is not a str, bytes, int or a tuple of them.
+
+    Example:
+        >>> encode_key("seg-1") != encode_key(b"seg-1")
+        True
+    """
+    data = _serialize(key)
+    if len(data) > MAX_ENCODED_KEY:
+        return "h" + hashlib.sha256(data).hexdigest()
+    return "k" + base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+class _Turn:
+    """A turn held in Redis: its ticket and fence, and whether its lease was lost."""
+
+    __slots__ = ("encoded", "fence", "lost", "ticket")
+
+    def __init__(self, encoded: str, ticket: str, fence: int) -> None:
+        self.encoded = encoded
+        self.ticket = ticket
+        self.fence = fence
+        self.lost = False
+
+
+class _Subscriber:
+    """One event loop's subscription to the queue's grant channel."""
+
+    def __init__(self, queue: RedisKeyedQueue) -> None:
+        self.queue = queue
+        self.waiting: dict[tuple[str, str], asyncio.Future[int]] = {}
+        self.early: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.ready = asyncio.get_running_loop().create_future()
+        self.task = asyncio.get_running_loop().create_task(self._listen())
+
+    def expect(self, encoded: str, ticket: str) -> asyncio.Future[int]:
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        fence = self.early.pop((encoded, ticket), None)
+        if fence is not None:
+            future.set_result(fence)
+        else:
+            self.waiting[(encoded, ticket)] = future
+        return future
+
+    def forget(self, encoded: str, ticket: str) -> None:
+        self.waiting.pop((encoded, ticket), None)
+
+    def _deliver(self, message: bytes) -> None:
+        encoded, ticket, fence = message.decode().split("|")
+        future = self.waiting.pop((encoded, ticket), None)
+        if future is not None:
+            if not future.done():
+                future.set_result(int(fence))
+            return
+        # The grant may arrive before the request that registered the ticket returned.
+        self.early[(encoded, ticket)] = int(fence)
+        while len(self.early) > _EARLY_GRANTS:
+            self.early.popitem(last=False)
+
+    async def _listen(self) -> None:
+        backoff = 0.05
+        while True:
+            pubsub = self.queue._client.pubsub()
+            try:
+                await pubsub.subscribe(self.queue._channel)
+                if not self.ready.done():
+                    self.ready.set_result(None)
+                backoff = 0.05
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self._deliver(message["data"])
+            except (RedisError, OSError):
+                # Waiters fall back to polling meanwhile; subscribe again once Redis is back.
+                if not self.ready.done():
+                    self.ready.set_result(None)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+class RedisKeyedQueue:
+    """A keyed serial queue whose turns are granted by Redis, for many processes at once.
+
+    Calls with the same key, made in any process connected to the same Redis
+    with the same ``namespace``, run one at a time: at most one holds the turn
+    while leases hold. Turns are granted first come, first served in the order
+    requests reach Redis (a ticket queue per key), and within one process in
+    registration order. A waiter is woken by a Redis pub/sub message within one
+    round trip of the release; a slow poll (``lease / 3``) is the fallback for a
+    lost message and the heartbeat that keeps its ticket alive.
+
+    Each turn holds a lease of ``lease`` seconds, renewed in the background
+    while the call runs. A holder that dies loses its turn when the lease
+    expires; a waiter that dies is skipped once its ticket's heartbeat stops.
+    A holder paused past its lease loses the turn to the next caller, who gets
+    a higher fencing token (:func:`keyserial.current_fence`); the paused call
+    learns it with :class:`~keyserial.LeaseLost`. Only tickets and counters go
+    to Redis, never the calls' data.
+
+    An uncontended call costs two Redis round trips (acquire, release).
+
+    Args:
+        client: a ``redis.asyncio.Redis`` client (its connection pool is shared).
+        namespace: separates queues sharing one Redis; all processes of one
+            queue must use the same one.
+        lease: seconds a turn is held without renewal; the longest a dead
+            holder or waiter can stall a key.
+        max_pending: per-key bound on this process's running plus waiting calls.
+
+    Raises:
+        ValueError: ``namespace`` is empty, or ``lease`` is not > 0.
+
+    Example:
+        >>> import redis.asyncio as redis
+        >>> from keyserial.redis import RedisKeyedQueue
+        >>> queue = RedisKeyedQueue(redis.Redis(), namespace="transcripts", lease=10.0)
+    """
+
+    def __init__(
+        self,
+        client: redis_asyncio.Redis,
+        namespace: str,
+        lease: float = 10.0,
+        *,
+        max_pending: int | None = None,
+    ) -> None:
+        if not namespace:
+            raise ValueError("namespace must be a non-empty string")
+        if not lease > 0:
+            raise ValueError(f"lease must be a number of seconds > 0, got {lease!r}")
+        self._client = client
+        self._namespace = base64.urlsafe_b64encode(namespace.encode()).decode().rstrip("=")
+        self._lease = lease
+        self._lease_ms = max(1, int(lease * 1000))
+        self._poll = lease / 3
+        self._channel = f"keyserial:{self._namespace}:grants"
+        self._local = KeyedSerialQueue(max_pending=max_pending)
+        self._acquire_script = client.register_script(scripts.ACQUIRE)
+        self._poll_script = client.register_script(scripts.POLL)
+        self._release_script = client.register_script(scripts.RELEASE)
+        self._renew_script = client.register_script(scripts.RENEW)
+        self._subscribers: dict[asyncio.AbstractEventLoop, _Subscriber] = {}
+        self._held: dict[tuple[Task, str], _Turn] = {}
+
+    # -- Redis operations -----------------------------------------------------------------
+
+    def _keys(self, encoded: str) -> list[str]:
+        tag = f"keyserial:{{{self._namespace}:{encoded}}}"
+        return [f"{tag}:{part}" for part in ("tickets", "queue", "alive", "holder", "fence")]
+
+    async def _script(self, script: Any, encoded: str, *args: object) -> Any:
+        try:
+            return await script(keys=self._keys(encoded), args=list(args))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise RedisUnavailable(f"Redis is unreachable: {exc}") from exc
+        except RedisError as exc:
+            raise RedisUnavailable(f"Redis refused the request: {exc}") from exc
+
+    async def _subscriber(self) -> _Subscriber:
+        loop = asyncio.get_running_loop()
+        subscriber = self._subscribers.get(loop)
+        if subscriber is None or subscriber.task.done():
+            for stale in [old for old in self._subscribers if old.is_closed()]:
+                del self._subscribers[stale]
+            subscriber = self._subscribers[loop] = _Subscriber(self)
+        await subscriber.ready
+        return subscriber
+
+    async def _acquire(self, encoded: str, deadline: float | None) -> _Turn:
+        subscriber = await self._subscriber()
+        lease = self._lease_ms
+        while True:  # once more each time Redis lost the ticket (a restart)
+            ticket, fence = await self._script(
+                self._acquire_script, encoded, lease, lease, self._channel, encoded
+            )
+            ticket = ticket.decode() if isinstance(ticket, bytes) else str(ticket)
+            if fence:
+                return _Turn(encoded, ticket, int(fence))
+            granted = subscriber.expect(encoded, ticket)
+            try:
+                fence = await self._wait(encoded, ticket, granted, deadline)
+            except BaseException:
+                # Leave the queue; if the turn came meanwhile, this passes it on.
+                await asyncio.shield(
+                    self._script(
+                        self._release_script, encoded, ticket, lease, self._channel, encoded
+                    )
+                )
+                raise
+            finally:
+                subscriber.forget(encoded, ticket)
+            if fence is not None:
+                return _Turn(encoded, ticket, fence)
+
+    async def _wait(
+        self, encoded: str, ticket: str, granted: asyncio.Future[int], deadline: float | None
+    ) -> int | None:
+        """The fence once ``ticket`` is granted; None if Redis forgot the ticket."""
+        while True:
+            wait = self._poll
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
+            done, _ = await asyncio.wait([granted], timeout=wait)
+            if done:
+                return granted.result()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"timed out waiting for the turn of key {encoded!r}")
+            status, fence = await self._script(
+                self._poll_script, encoded, ticket, self._lease_ms, self._lease_ms,
+                self._channel, encoded,
+            )  # fmt: skip
+            status = status.decode() if isinstance(status, bytes) else status
+            if status == "granted":
+                return int(fence)
+            if status == "lost":
+                return None
+
+    async def _release(self, turn: _Turn) -> bool:
+        held = await self._script(
+            self._release_script, turn.encoded, turn.ticket, self._lease_ms, self._channel,
+            turn.encoded,
+        )  # fmt: skip
+        return bool(held)
+
+    async def _keep_alive(self, turn: _Turn, task: Task) -> None:
+        """Renew the lease while the call runs; on loss, interrupt the call with LeaseLost."""
+        expires = time.monotonic() + self._lease
+        while True:
+            await asyncio.sleep(self._lease / 3)
+            try:
+                renewed = await self._script(
+                    self._renew_script, turn.encoded, f"{turn.ticket}:{turn.fence}", self._lease_ms
+                )
+            except RedisUnavailable:
+                if time.monotonic() < expires:
+                    continue  # the lease may still hold: try again
+                renewed = 0
+            if renewed:
+                expires = time.monotonic() + self._lease
+                continue
+            turn.lost = True
+            task.cancel(msg="keyserial: lease lost")
+            return
+
+    # -- running calls --------------------------------------------------------------------
+
+    async def _turn(
+        self,
+        encoded: str,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        deadline: float | None,
+    ) -> T:
+        task: Task = asyncio.current_task()  # type: ignore[assignment]
+        turn = self._held.get((task, encoded))
+        if turn is not None:  # re-entry: the outer turn holds the key
+            return await fn(*args, **kwargs)
+        turn = await self._acquire(encoded, deadline)
+        self._held[(task, encoded)] = turn
+        keeper = asyncio.get_running_loop().create_task(self._keep_alive(turn, task))
+        try:
+            result = await fn(*args, **kwargs)
+        except asyncio.CancelledError:
+            if turn.lost:
+                if sys.version_info >= (3, 11):
+                    task.uncancel()
+                raise LeaseLost(encoded, turn.fence) from None
+            raise
+        finally:
+            keeper.cancel()
+            del self._held[(task, encoded)]
+            try:
+                still_held = await asyncio.shield(self._release(turn))
+            except RedisUnavailable:
+                logger.warning(
+                    "keyserial: could not release key %r; its lease will expire", encoded
+                )
+                still_held = True
+        if not still_held or turn.lost:
+            raise LeaseLost(encoded, turn.fence)
+        return result
+
+    def run(
+        self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+    ) -> Coroutine[Any, Any, T]:
+        """Run ``await fn(*args, **kwargs)`` once this call holds ``key``'s turn in Redis.
+
+        Raises:
+            TypeError: ``key`` is not a str, bytes, int or a tuple of them.
+            RedisUnavailable: Redis could not be reached; the call did not run.
+            LeaseLost: the call ran, but its lease was lost meanwhile (it was
+                paused or Redis lost its data); a later turn may have overlapped.
+            QueueClosed, QueueFull: as for :class:`~keyserial.KeyedSerialQueue`.
+        """
+        return self.call(key, fn, args, kwargs)
+
+    async def call(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+        group: Hashable | None = None,
+    ) -> T:
+        """:meth:`run` with a bound on the wait for the turn (local and Redis waits together).
+
+        Raises:
+            ValueError: ``group`` is given (coalescing is in-process only).
+            TimeoutError: the turn did not come within ``timeout`` seconds.
+            TypeError, RedisUnavailable, LeaseLost, QueueClosed, QueueFull: as for :meth:`run`.
+        """
+        if group is not None:
+            raise ValueError("RedisKeyedQueue does not coalesce: group= is in-process only")
+        encoded = encode_key(key)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return await self._local.call(
+            encoded, self._turn, (encoded, fn, args, kwargs, deadline), {}, timeout
+        )
+
+    def submit(
+        self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+    ) -> asyncio.Task[T]:
+        """Start :meth:`run` as a new task, registered in this process before returning."""
+        encoded = encode_key(key)
+        return self._local.submit(encoded, self._turn, encoded, fn, args, kwargs, None)
+
+    def lock(self, key: Hashable, timeout: float | None = None) -> _RedisLock:
+        """Hold ``key``'s turn for the body of an ``async with`` block."""
+        return _RedisLock(self, encode_key(key), timeout)
+
+    async def join(self) -> None:
+        """Wait until this process has no registered work."""
+        await self._local.join()
+
+    async def aclose(self) -> None:
+        """Refuse new work here, wait for the registered work, and stop listening for grants."""
+        await self._local.aclose()
+        subscriber = self._subscribers.pop(asyncio.get_running_loop(), None)
+        if subscriber is not None:
+            subscriber.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await subscriber.task
+
+
+class _RedisLock:
+    """``RedisKeyedQueue.lock()``: the local turn, then the Redis turn, for a block."""
+
+    __slots__ = (
+        "_encoded",
+        "_fence_token",
+        "_keeper",
+        "_local",
+        "_queue",
+        "_task",
+        "_timeout",
+        "_turn",
+    )
+
+    def __init__(self, queue: RedisKeyedQueue, encoded: str, timeout: float | None) -> None:
+        self._queue = queue
+        self._encoded = encoded
+        self._timeout = timeout
+        self._local = queue._local.lock(encoded, timeout)
+        self._turn: _Turn | None = None
+        self._task: Task | None = None
+        self._keeper: Task | None = None
+        self._fence_token: Token[Any] | None = None
+
+    async def __aenter__(self) -> None:
+        queue, encoded = self._queue, self._encoded
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        await self._local.__aenter__()
+        task: Task = asyncio.current_task()  # type: ignore[assignment]
+        turn = queue._held.get((task, encoded))
+        if turn is None:
+            try:
+                turn = await queue._acquire(encoded, deadline)
+            except BaseException:
+                await self._local.__aexit__(None, None, None)
+                raise
+            queue._held[(task, encoded)] = self._turn = turn
+            self._task = task
+            self._keeper = asyncio.get_running_loop().create_task(queue._keep_alive(turn, task))
+        held = turn
+        self._fence_token = enter_lock_block(sys._getframe(1), lambda: held.fence)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if self._fence_token is not None:
+            exit_lock_block(self._fence_token)
+            self._fence_token = None
+        turn, lost = self._turn, False
+        if turn is not None and self._task is not None:
+            if self._keeper is not None:
+                self._keeper.cancel()
+            del self._queue._held[(self._task, self._encoded)]
+            try:
+                lost = not await asyncio.shield(self._queue._release(turn)) or turn.lost
+            except RedisUnavailable:
+                logger.warning(
+                    "keyserial: could not release key %r; its lease will expire", self._encoded
+                )
+        await self._local.__aexit__(exc_type, exc, tb)
+        if turn is not None and lost:
+            if isinstance(exc, asyncio.CancelledError) and sys.version_info >= (3, 11):
+                self._task.uncancel()  # type: ignore[union-attr]
+            raise LeaseLost(self._encoded, turn.fence)
+        return False
+
+
+def _redis_turn_fence(frame: Mapping[str, Any]) -> int | None:
+    turn = frame.get("turn")
+    return turn.fence if isinstance(turn, _Turn) else None
+
+
+register_turn_code(RedisKeyedQueue._turn.__code__, _redis_turn_fence)

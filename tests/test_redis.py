@@ -1,0 +1,294 @@
+"""The Redis backend against a real, private redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as redis
+
+from keyserial import current_fence, serialized
+from keyserial.redis import RedisKeyedQueue, RedisUnavailable, encode_key
+
+from .redis_server import RedisServer
+from .scheduling import Recorder
+
+pytestmark = pytest.mark.asyncio
+
+ROOT = Path(__file__).resolve().parent.parent
+
+Clients = Callable[[], redis.Redis]
+
+
+@pytest_asyncio.fixture
+async def clients(redis_server: RedisServer) -> AsyncIterator[Clients]:
+    """Makes Redis clients for the test's server (one per simulated process)."""
+    made: list[redis.Redis] = []
+
+    def make() -> redis.Redis:
+        made.append(redis.Redis.from_url(redis_server.url))
+        return made[-1]
+
+    yield make
+    for client in made:
+        await client.aclose()
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Let the loop (and Redis) work until ``condition()`` holds; fail after a while."""
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_same_key_is_serialized_across_queues_in_registration_order(
+    clients: Clients,
+) -> None:
+    # Two queues with their own Redis clients stand for two processes.
+    first = RedisKeyedQueue(clients(), namespace="t", lease=5.0)
+    second = RedisKeyedQueue(clients(), namespace="t", lease=5.0)
+    rec = Recorder()
+    fences: dict[str, int] = {}
+
+    async def step(name: str) -> str:
+        fences[name] = current_fence()
+        return await rec.step(name)
+
+    a = asyncio.create_task(first.run("seg", step, "a"))
+    await until(lambda: rec.log == ["start a"], "a starts")
+    b = asyncio.create_task(second.run("seg", step, "b"))
+    await asyncio.sleep(0.05)  # b's request reaches Redis before c's
+    c = asyncio.create_task(first.run("seg", step, "c"))
+    other = asyncio.create_task(second.run("other", step, "other"))
+    await until(lambda: "start other" in rec.log, "a different key runs at once")
+    assert "start b" not in rec.log and "start c" not in rec.log
+    for name in ("a", "b", "c", "other"):
+        rec.gate(name).set()
+    assert list(await asyncio.gather(a, b, c, other)) == ["a", "b", "c", "other"]
+    starts = [line for line in rec.log if line.startswith("start") and line != "start other"]
+    assert starts == ["start a", "start b", "start c"]
+    assert fences["a"] < fences["b"] < fences["c"]
+    await first.aclose()
+    await second.aclose()
+
+
+async def test_uncontended_call_takes_two_round_trips(clients: Clients) -> None:
+    client = clients()
+    queue = RedisKeyedQueue(client, namespace="t", lease=5.0)
+    sent: list[str] = []
+    original = client.execute_command
+
+    async def counting(*args: object, **kwargs: object) -> object:
+        sent.append(str(args[0]))
+        return await original(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    async def work() -> int:
+        return current_fence()
+
+    await queue.run("warm-up", work)  # loads the scripts and subscribes once
+    client.execute_command = counting  # type: ignore[method-assign]
+    fences = [await queue.run(f"key-{i}", work) for i in range(10)]
+    assert sent == ["EVALSHA"] * 20
+    assert all(f > 0 for f in fences)
+    await queue.aclose()
+
+
+async def test_decorator_and_fences_increase_per_key(clients: Clients) -> None:
+    queue = RedisKeyedQueue(clients(), namespace="t", lease=5.0)
+    fences: list[int] = []
+
+    @serialized(key="seg_id", queue=queue)
+    async def finalize(seg_id: str) -> None:
+        fences.append(current_fence())
+        await asyncio.sleep(0)
+
+    await asyncio.gather(*(finalize("s") for _ in range(20)))
+    assert fences == sorted(set(fences)) and len(fences) == 20
+    await queue.aclose()
+
+
+async def test_keys_are_typed_and_encoded_apart() -> None:
+    names = {encode_key(k) for k in ["1", 1, b"1", ("1",), (1, "x"), "{tag}", "a:b"]}
+    assert len(names) == 7
+    assert all(name.replace("-", "").replace("_", "").isalnum() for name in names)
+    assert encode_key("x" * 1000).startswith("h") and len(encode_key("x" * 1000)) == 65
+    with pytest.raises(TypeError, match="str, bytes, int"):
+        encode_key(1.5)
+    with pytest.raises(TypeError):
+        encode_key(("ok", frozenset()))
+
+
+async def test_reentry_and_wait_timeout(clients: Clients) -> None:
+    queue = RedisKeyedQueue(clients(), namespace="t", lease=5.0)
+    other = RedisKeyedQueue(clients(), namespace="t", lease=5.0)
+    seen: list[int] = []
+
+    async def inner() -> None:
+        seen.append(current_fence())
+
+    async def outer() -> None:
+        seen.append(current_fence())
+        await queue.run("k", inner)  # same task: runs inside this turn
+        with pytest.raises(TimeoutError):
+            await other.call("k", inner, (), {}, 0.2)  # another "process" must wait
+
+    await queue.run("k", outer)
+    assert seen[0] == seen[1]
+    await queue.aclose()
+    await other.aclose()
+
+
+class Worker:
+    """A worker process (tests/redis_worker.py) and its output lines."""
+
+    def __init__(self, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.redis_worker", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+
+    async def line(self) -> str:
+        assert self.process.stdout is not None
+        read = asyncio.to_thread(self.process.stdout.readline)
+        return (await asyncio.wait_for(read, timeout=30)).strip()
+
+    def send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def signal(self, number: int) -> None:
+        self.process.send_signal(number)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                stream.close()
+
+
+FENCED_WRITE = (
+    "local last = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0') "
+    "if tonumber(ARGV[1]) > last then "
+    "redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'value', ARGV[2]) return 1 end "
+    "return 0"
+)
+
+
+async def test_holder_stopped_past_its_lease_loses_the_turn_and_its_write(
+    clients: Clients, redis_server: RedisServer
+) -> None:
+    client = clients()
+    queue = RedisKeyedQueue(client, namespace="faults", lease=0.5)
+    write = client.register_script(FENCED_WRITE)
+    holder = Worker(redis_server.url, "hold", "k", "0.5")
+    try:
+        stale_fence = int((await holder.line()).split()[1])
+        holder.signal(signal.SIGSTOP)  # paused, like a long GC pause, past its lease
+
+        async def newer_write() -> int:
+            fence = current_fence()
+            assert await write(keys=["resource"], args=[fence, "newer"]) == 1
+            return fence
+
+        newer_fence = await queue.run("k", newer_write)  # granted once the lease expired
+        assert newer_fence > stale_fence
+        holder.signal(signal.SIGCONT)
+        holder.send("write")
+        assert await holder.line() == "refused"  # the store refused the stale write
+        assert await holder.line() == "lease lost"  # and the call learned it lost the turn
+        assert (await client.hget("resource", "value")) == b"newer"
+    finally:
+        holder.close()
+    await queue.aclose()
+
+
+async def test_killed_holder_frees_the_key_when_its_lease_expires(
+    clients: Clients, redis_server: RedisServer
+) -> None:
+    queue = RedisKeyedQueue(clients(), namespace="faults", lease=0.5)
+    holder = Worker(redis_server.url, "hold", "k", "0.5")
+    try:
+        held_fence = int((await holder.line()).split()[1])
+        holder.signal(signal.SIGKILL)
+
+        async def work() -> int:
+            return current_fence()
+
+        assert await asyncio.wait_for(queue.run("k", work), timeout=10) > held_fence
+    finally:
+        holder.close()
+    await queue.aclose()
+
+
+async def test_killed_waiter_is_skipped(clients: Clients, redis_server: RedisServer) -> None:
+    client = clients()
+    queue = RedisKeyedQueue(client, namespace="faults", lease=0.5)
+    rec = Recorder()
+    holding = asyncio.create_task(queue.run("k", rec.step, "holder"))
+    await until(lambda: rec.log == ["start holder"], "the holder runs")
+    waiter = Worker(redis_server.url, "wait", "k", "0.5")
+    try:
+        assert await waiter.line() == "waiting"
+        queue_key = f"keyserial:{{{queue._namespace}:{encode_key('k')}}}:queue"
+        for _ in range(1000):  # until the waiter's ticket is in the queue
+            if await client.llen(queue_key) == 1:
+                break
+            await asyncio.sleep(0.01)
+        waiter.signal(signal.SIGKILL)
+        behind = asyncio.create_task(
+            RedisKeyedQueue(clients(), "faults", 0.5).run("k", rec.step, "behind")
+        )
+        await asyncio.sleep(0.1)
+        rec.gate("holder").set()
+        await holding
+        rec.gate("behind").set()
+        # The dead waiter's ticket stalls the key for at most about one lease.
+        await asyncio.wait_for(behind, timeout=10)
+        assert rec.log[-2:] == ["start behind", "end behind"]
+    finally:
+        waiter.close()
+    await queue.aclose()
+
+
+async def test_redis_restart_fails_calls_clearly_then_recovers(
+    clients: Clients, redis_server: RedisServer
+) -> None:
+    queue = RedisKeyedQueue(clients(), namespace="t", lease=1.0)
+
+    async def work() -> int:
+        return current_fence()
+
+    before = await queue.run("k", work)
+    redis_server.kill()
+    with pytest.raises(RedisUnavailable):
+        await queue.run("k", work)
+    redis_server.start()  # empty: all tickets and fences are gone
+    after = await queue.run("k", work)
+    assert after > before  # fences stay increasing across the data loss
+    await queue.aclose()
+
+
+async def test_bad_arguments() -> None:
+    client = redis.Redis()
+    with pytest.raises(ValueError, match="namespace"):
+        RedisKeyedQueue(client, namespace="")
+    with pytest.raises(ValueError, match="lease"):
+        RedisKeyedQueue(client, namespace="n", lease=0)
+    queue = RedisKeyedQueue(client, namespace="n")
+    with pytest.raises(ValueError, match="group"):
+        await queue.call("k", asyncio.sleep, (0,), {}, None, "g")
+    await client.aclose()
