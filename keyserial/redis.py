@@ -103,6 +103,49 @@ class _Turn:
         self.lost = False
 
 
+class _LeaseKeeper:
+    """Renews a turn's lease every third of it while its call runs; on loss, interrupts the call.
+
+    A timer, not a task, waits between renewals: a call shorter than a third of
+    the lease costs no renewal at all.
+    """
+
+    __slots__ = ("expires", "queue", "renewal", "task", "timer", "turn")
+
+    def __init__(self, queue: RedisKeyedQueue, turn: _Turn, task: Task) -> None:
+        self.queue = queue
+        self.turn = turn
+        self.task = task
+        self.expires = time.monotonic() + queue._lease
+        self.renewal: Task | None = None
+        self.timer = asyncio.get_running_loop().call_later(queue._lease / 3, self._due)
+
+    def _due(self) -> None:
+        self.renewal = asyncio.get_running_loop().create_task(self._renew())
+
+    async def _renew(self) -> None:
+        queue, turn = self.queue, self.turn
+        try:
+            renewed = await queue._script(
+                queue._renew_script, turn.encoded, f"{turn.ticket}:{turn.fence}", queue._lease_ms
+            )
+        except RedisUnavailable:
+            renewed = time.monotonic() < self.expires  # the lease may still hold: retry
+        else:
+            if renewed:
+                self.expires = time.monotonic() + queue._lease
+        if renewed:
+            self.timer = asyncio.get_running_loop().call_later(queue._lease / 3, self._due)
+            return
+        turn.lost = True
+        self.task.cancel(msg="keyserial: lease lost")
+
+    def stop(self) -> None:
+        self.timer.cancel()
+        if self.renewal is not None:
+            self.renewal.cancel()
+
+
 class _Subscriber:
     """One event loop's subscription to the queue's grant channel."""
 
@@ -304,25 +347,14 @@ class RedisKeyedQueue:
         )  # fmt: skip
         return bool(held)
 
-    async def _keep_alive(self, turn: _Turn, task: Task) -> None:
-        """Renew the lease while the call runs; on loss, interrupt the call with LeaseLost."""
-        expires = time.monotonic() + self._lease
-        while True:
-            await asyncio.sleep(self._lease / 3)
-            try:
-                renewed = await self._script(
-                    self._renew_script, turn.encoded, f"{turn.ticket}:{turn.fence}", self._lease_ms
-                )
-            except RedisUnavailable:
-                if time.monotonic() < expires:
-                    continue  # the lease may still hold: try again
-                renewed = 0
-            if renewed:
-                expires = time.monotonic() + self._lease
-                continue
-            turn.lost = True
-            task.cancel(msg="keyserial: lease lost")
-            return
+    async def _release_surely(self, turn: _Turn) -> bool:
+        """Release ``turn``; if cancelled meanwhile, finish the release in the background."""
+        try:
+            return await self._release(turn)
+        except asyncio.CancelledError:
+            # Releasing twice is harmless: the second finds the ticket gone.
+            asyncio.get_running_loop().create_task(self._release(turn))
+            raise
 
     # -- running calls --------------------------------------------------------------------
 
@@ -340,7 +372,7 @@ class RedisKeyedQueue:
             return await fn(*args, **kwargs)
         turn = await self._acquire(encoded, deadline)
         self._held[(task, encoded)] = turn
-        keeper = asyncio.get_running_loop().create_task(self._keep_alive(turn, task))
+        keeper = _LeaseKeeper(self, turn, task)
         try:
             result = await fn(*args, **kwargs)
         except asyncio.CancelledError:
@@ -350,10 +382,10 @@ class RedisKeyedQueue:
                 raise LeaseLost(encoded, turn.fence) from None
             raise
         finally:
-            keeper.cancel()
+            keeper.stop()
             del self._held[(task, encoded)]
             try:
-                still_held = await asyncio.shield(self._release(turn))
+                still_held = await self._release_surely(turn)
             except RedisUnavailable:
                 logger.warning(
                     "keyserial: could not release key %r; its lease will expire", encoded
@@ -447,7 +479,7 @@ class _RedisLock:
         self._local = queue._local.lock(encoded, timeout)
         self._turn: _Turn | None = None
         self._task: Task | None = None
-        self._keeper: Task | None = None
+        self._keeper: _LeaseKeeper | None = None
         self._fence_token: Token[Any] | None = None
 
     async def __aenter__(self) -> None:
@@ -464,7 +496,7 @@ class _RedisLock:
                 raise
             queue._held[(task, encoded)] = self._turn = turn
             self._task = task
-            self._keeper = asyncio.get_running_loop().create_task(queue._keep_alive(turn, task))
+            self._keeper = _LeaseKeeper(queue, turn, task)
         held = turn
         self._fence_token = enter_lock_block(sys._getframe(1), lambda: held.fence)
 
@@ -480,10 +512,10 @@ class _RedisLock:
         turn, lost = self._turn, False
         if turn is not None and self._task is not None:
             if self._keeper is not None:
-                self._keeper.cancel()
+                self._keeper.stop()
             del self._queue._held[(self._task, self._encoded)]
             try:
-                lost = not await asyncio.shield(self._queue._release(turn)) or turn.lost
+                lost = not await self._queue._release_surely(turn) or turn.lost
             except RedisUnavailable:
                 logger.warning(
                     "keyserial: could not release key %r; its lease will expire", self._encoded

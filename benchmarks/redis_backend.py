@@ -1,0 +1,238 @@
+"""The Redis backend against redis-py's Lock and python-redis-lock, on one private server.
+
+    python -m benchmarks.redis_backend            # full sizes
+    python -m benchmarks.redis_backend --quick    # tiny sizes, for CI smoke runs
+
+Measures, in one run: uncontended latency (sequential calls on distinct keys),
+Redis commands per uncontended call, and same-key hand-off throughput with four
+processes taking turns on one key. redis-py's Lock polls for a held lock (here
+every 1 ms); python-redis-lock blocks on a list; neither orders waiters or gives
+fencing tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import redis
+import redis.asyncio as redis_asyncio
+import redis_lock  # type: ignore[import-untyped]
+
+from keyserial.redis import RedisKeyedQueue
+
+from .report import environment
+
+LIBRARIES = ("keyserial RedisKeyedQueue", "redis-py Lock (sleep=1 ms)", "python-redis-lock")
+
+
+def start_server() -> tuple[subprocess.Popen[bytes], int, str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    directory = tempfile.mkdtemp(prefix="keyserial-bench-")
+    server = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", directory],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = redis.Redis(port=port)
+    for _ in range(500):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.01)
+    return server, port, directory
+
+
+class RoundTrips:
+    """Counts the commands clients send to the server (MONITOR), not those scripts run."""
+
+    def __init__(self, port: int) -> None:
+        self.count = 0
+        self._monitor = redis.Redis(port=port).monitor()
+        self._connection = self._monitor.__enter__()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        try:
+            for command in self._connection.listen():
+                if command.get("client_type") != "lua":
+                    self.count += 1
+        except (redis.ConnectionError, ValueError, OSError):
+            return  # closed
+
+    def close(self) -> None:
+        time.sleep(0.2)  # let the last commands arrive
+        with contextlib.suppress(Exception):
+            self._monitor.__exit__(None, None, None)
+
+
+async def _uncontended(library: str, port: int, calls: int) -> float:
+    """Seconds for ``calls`` sequential uncontended turns on distinct keys."""
+    async_client = redis_asyncio.Redis(port=port)
+    sync_client = redis.Redis(port=port)
+    queue = RedisKeyedQueue(async_client, namespace="bench", lease=10.0)
+
+    async def nothing() -> None:
+        return None
+
+    async def one(i: int) -> None:
+        if library == LIBRARIES[0]:
+            await queue.run(f"u{i}", nothing)
+        elif library == LIBRARIES[1]:
+            lock = async_client.lock(f"u{i}", timeout=10, sleep=0.001)
+            await lock.acquire()
+            await lock.release()
+        else:
+            lock = redis_lock.Lock(sync_client, f"u{i}", expire=10)
+            lock.acquire()
+            lock.release()
+
+    await one(-1)  # scripts loaded, subscription made
+    start = time.perf_counter()
+    for i in range(calls):
+        await one(i)
+    elapsed = time.perf_counter() - start
+    await queue.aclose()
+    await async_client.aclose()
+    return elapsed
+
+
+def _hand_off_worker(library: str, port: int, turns: int, barrier: object) -> None:
+    async def main() -> None:
+        async_client = redis_asyncio.Redis(port=port)
+        sync_client = redis.Redis(port=port)
+        queue = RedisKeyedQueue(async_client, namespace="bench", lease=10.0)
+
+        async def turn() -> None:
+            await asyncio.sleep(0)
+
+        await queue.run("warm-up", turn)
+        barrier.wait()  # type: ignore[attr-defined]
+        for _ in range(turns):
+            if library == LIBRARIES[0]:
+                await queue.run("ball", turn)
+            elif library == LIBRARIES[1]:
+                lock = async_client.lock("ball-lock", timeout=10, sleep=0.001)
+                await lock.acquire()
+                await turn()
+                await lock.release()
+            else:
+                lock = redis_lock.Lock(sync_client, "ball-rl", expire=10)
+                lock.acquire()
+                await turn()
+                lock.release()
+        await queue.aclose()
+        await async_client.aclose()
+
+    asyncio.run(main())
+
+
+def _hand_off(library: str, port: int, processes: int, turns: int) -> float:
+    """Seconds for ``processes`` processes to take ``turns`` turns each on one key."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(processes + 1)
+    workers = [
+        context.Process(target=_hand_off_worker, args=(library, port, turns, barrier))
+        for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for worker in workers:
+        worker.join(timeout=600)
+    elapsed = time.perf_counter() - start
+    if any(worker.exitcode != 0 for worker in workers):
+        raise RuntimeError(f"a {library} hand-off worker failed")
+    return elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.redis_backend")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for CI smoke runs")
+    parser.add_argument("--markdown", type=Path, help="also write the report to this file")
+    options = parser.parse_args()
+    calls, turns, repeats = (50, 20, 1) if options.quick else (3000, 500, 3)
+    processes = 4
+    server, port, directory = start_server()
+    try:
+        latency: dict[str, float] = {}
+        commands: dict[str, float] = {}
+        throughput: dict[str, float] = {}
+        for library in LIBRARIES:
+            counter = RoundTrips(port)
+            asyncio.run(_uncontended(library, port, calls))
+            counter.close()
+            # Round trips per call, less the client's own start-up (HELLO, CLIENT SETINFO...).
+            commands[library] = counter.count / (calls + 1)
+        samples: dict[str, list[float]] = {library: [] for library in LIBRARIES}
+        for _ in range(repeats):
+            for library in LIBRARIES:
+                samples[library].append(asyncio.run(_uncontended(library, port, calls)) / calls)
+        latency = {library: statistics.median(values) for library, values in samples.items()}
+        for _ in range(repeats):
+            for library in LIBRARIES:
+                elapsed = _hand_off(library, port, processes, turns)
+                throughput.setdefault(library, 0.0)
+                throughput[library] = max(throughput[library], processes * turns / elapsed)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=10)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    best_other = max(throughput[name] for name in LIBRARIES[1:])
+    lines = [
+        f"Environment: {environment()}, redis-server on loopback, {os.cpu_count()} CPUs",
+        f"Command: `python -m benchmarks.redis_backend{' --quick' if options.quick else ''}`",
+        "",
+        f"### Redis backend: {calls:,} uncontended calls; {processes} processes x {turns:,} "
+        "turns on one key",
+        "",
+        "| library | uncontended µs/call | round trips/call | hand-off turns/s | FIFO | fencing |",
+        "|---|---:|---:|---:|---|---|",
+    ]
+    for library in LIBRARIES:
+        mine = library == LIBRARIES[0]
+        lines.append(
+            f"| {library} | {latency[library] * 1e6:,.0f} | {commands[library]:.1f} | "
+            f"{throughput[library]:,.0f} | {'yes' if mine else 'no'} | {'yes' if mine else 'no'} |"
+        )
+    ratio = throughput[LIBRARIES[0]] / best_other
+    lines.append("")
+    lines.append(
+        "Round trips per uncontended call are counted with MONITOR (commands run by scripts "
+        "excluded), including each client's connection set-up spread over the calls."
+    )
+    lines.append(
+        f"Hand-off throughput of keyserial ÷ the best other: {ratio:.2f} "
+        f"(target ≥ 1: {'met' if ratio >= 1 else '**missed**'}); hand-off throughput is the "
+        "best of the repeats."
+    )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if options.markdown:
+        options.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
