@@ -66,7 +66,7 @@ class RoundTrips:
 
     def __init__(self, port: int) -> None:
         self.count = 0
-        self._monitor = redis.Redis(port=port).monitor()
+        self._monitor = redis.Redis(port=port).monitor()  # type: ignore[no-untyped-call]
         self._connection = self._monitor.__enter__()
         self._thread = threading.Thread(target=self._listen, daemon=True)
         self._thread.start()

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as redis
 
-from keyserial import current_fence, serialized
+from keyserial import LeaseLost, current_fence, serialized
 from keyserial.redis import RedisKeyedQueue, RedisUnavailable, encode_key
 
 from .redis_server import RedisServer
@@ -292,3 +292,53 @@ async def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="group"):
         await queue.call("k", asyncio.sleep, (0,), {}, None, "g")
     await client.aclose()
+
+
+async def test_a_long_call_keeps_its_turn_by_renewing_the_lease(clients: Clients) -> None:
+    holder = RedisKeyedQueue(clients(), namespace="t", lease=0.3)
+    other = RedisKeyedQueue(clients(), namespace="t", lease=0.3)
+    log: list[str] = []
+
+    async def long_call() -> None:
+        log.append("long starts")
+        await asyncio.sleep(1.2)  # four leases: renewed in the background meanwhile
+        log.append("long ends")
+
+    async def next_call() -> None:
+        log.append("next runs")
+
+    running = asyncio.create_task(holder.run("k", long_call))
+    await until(lambda: log == ["long starts"], "the long call starts")
+    await other.run("k", next_call)
+    await running  # no LeaseLost: a live holder is never cut off
+    assert log == ["long starts", "long ends", "next runs"]
+    await holder.aclose()
+    await other.aclose()
+
+
+async def test_redis_restart_mid_run_loses_nothing(
+    clients: Clients, redis_server: RedisServer
+) -> None:
+    queues = [RedisKeyedQueue(clients(), namespace="t", lease=0.5) for _ in range(2)]
+    ran: list[int] = []
+
+    async def work(call: int) -> None:
+        await asyncio.sleep(0.005)
+        ran.append(call)
+
+    calls = [asyncio.create_task(queues[i % 2].run(f"key-{i % 5}", work, i)) for i in range(200)]
+    await until(lambda: len(ran) >= 20, "some calls ran")
+    redis_server.kill()  # every ticket, holder and fence is gone
+    redis_server.start()
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    for call, outcome in enumerate(outcomes):
+        if outcome is None:
+            assert ran.count(call) == 1  # it ran, exactly once
+        else:
+            assert isinstance(outcome, (RedisUnavailable, LeaseLost)), outcome
+            assert ran.count(call) <= 1  # LeaseLost: it ran, but its turn was not safe
+    assert len(ran) == len(set(ran))
+    await queues[0].run("key-0", work, 999)  # and the queue works again
+    assert ran[-1] == 999
+    for queue in queues:
+        await queue.aclose()
