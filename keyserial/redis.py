@@ -305,12 +305,14 @@ class RedisKeyedQueue:
             try:
                 fence = await self._wait(encoded, ticket, granted, deadline)
             except BaseException:
-                # Leave the queue; if the turn came meanwhile, this passes it on.
-                await asyncio.shield(
-                    self._script(
-                        self._release_script, encoded, ticket, lease, self._channel, encoded
+                # Leave the queue; if the turn came meanwhile, this passes it on. If Redis is
+                # unreachable the ticket's heartbeat stops and Redis skips it in time.
+                with contextlib.suppress(RedisUnavailable):
+                    await asyncio.shield(
+                        self._script(
+                            self._release_script, encoded, ticket, lease, self._channel, encoded
+                        )
                     )
-                )
                 raise
             finally:
                 subscriber.forget(encoded, ticket)
