@@ -118,7 +118,8 @@ def render_targets(results: Sequence[Target]) -> str:
     lines = ["### Targets", "", "| claim | measured | target | |", "|---|---:|---:|---|"]
     for target in results:
         mark = "met" if target.met else "**missed**"
-        lines.append(f"| {target.claim} | {target.measured:.2f} | ≤ {target.limit:g} | {mark} |")
+        measured = round(target.measured, 2) + 0.0  # no "-0.00" for a slope of zero
+        lines.append(f"| {target.claim} | {measured:.2f} | ≤ {target.limit:g} | {mark} |")
     return "\n".join(lines)
 
 
