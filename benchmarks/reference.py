@@ -43,16 +43,15 @@ class UncountedQueue(KeyedSerialQueue):
                 raise QueueClosed(f"queue is closed; cannot register key {key!r}")
             part[key] = task  # the uncontended path: one dict entry, nothing else
         else:
-            registration = part.register(key, holder, task, timeout, self._max_pending)
-            if registration is None:  # re-entry: run inside the turn this task holds
+            waiter = part.register(key, holder, task, timeout, self._max_pending)
+            if waiter is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
-            if registration.waiter is not None:
-                try:
-                    await registration.waiter
-                except BaseException:
-                    part.give_up(key, registration, task)
-                    raise
-            part.take_turn(key, registration, task)
+            try:
+                await waiter
+            except BaseException:
+                part.give_up(key, waiter)
+                raise
+            part.take_turn(key, waiter, task)
         try:
             if kwargs:
                 return await fn(*args, **kwargs)

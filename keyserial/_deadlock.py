@@ -1,8 +1,9 @@
 """Deadlock detection: refuse a wait that would close a cycle of tasks waiting on each other.
 
-The graph has two kinds of edges out of a task: the keys it waits for (each
-leading to that key's holder), and a task it awaits directly (``await
-child_task``), read from the task's ``_fut_waiter``. A task about to wait for
+The graph has two kinds of edges out of a task, both read from what the task
+awaits (its ``_fut_waiter``): a queue waiter names the keys it waits for (each
+leading to that key's holder), and a task is awaited directly (``await
+child_task``). A task about to wait for
 some keys closes a cycle if following those edges from the keys' holders leads
 back to it. Only calls that must wait pay for the walk, and it visits only
 tasks that are themselves blocked.
@@ -19,11 +20,14 @@ from ._errors import DeadlockError
 if TYPE_CHECKING:
     from ._state import Partition
 
+
 Task = asyncio.Task[Any]
 
 
 def _waits_on_something(part: Partition, holder: Task) -> bool:
-    return holder in part.blocked or isinstance(getattr(holder, "_fut_waiter", None), asyncio.Task)
+    return bool(part.waiting_for(holder)) or isinstance(
+        getattr(holder, "_fut_waiter", None), asyncio.Task
+    )
 
 
 def check_no_cycle(part: Partition, task: Task, keys: Sequence[Hashable]) -> None:
@@ -45,7 +49,7 @@ def check_no_cycle(part: Partition, task: Task, keys: Sequence[Hashable]) -> Non
         reached[holder] = (source, key)
         if holder is task:
             raise _describe(task, reached)
-        for wanted in part.blocked.get(holder, ()):
+        for wanted in part.waiting_for(holder):
             frontier.append((holder, part.holding_task(wanted), wanted))
         awaited = getattr(holder, "_fut_waiter", None)
         if isinstance(awaited, asyncio.Task):

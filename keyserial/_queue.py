@@ -15,7 +15,15 @@ from ._deadlock import check_no_cycle
 from ._errors import DeadlockError, QueueClosed
 from ._fence import enter_lock_block, exit_lock_block, register_turn_code
 from ._loops import get_running_loop, task_of
-from ._state import GRANTED, NEW_TASK, KeyState, MultiRegistration, Partition, Registration
+from ._state import (
+    GRANTED,
+    NEW_TASK,
+    KeyState,
+    MultiRegistration,
+    Partition,
+    Waiter,
+    granted_waiter,
+)
 from ._stats import QueueStats, snapshot
 
 if TYPE_CHECKING:
@@ -150,15 +158,13 @@ class KeyedSerialQueue:
             return self._cached
         return self._partition(loop)
 
-    async def _await_turn(self, part: Partition, key: Hashable, registration: Registration) -> None:
-        task: Task = asyncio.current_task()  # type: ignore[assignment]
-        if registration.waiter is not None:
-            try:
-                await registration.waiter
-            except BaseException:
-                part.give_up(key, registration, task)
-                raise
-        part.take_turn(key, registration, task)
+    async def _await_turn(self, part: Partition, key: Hashable, waiter: Waiter) -> None:
+        try:
+            await waiter
+        except BaseException:
+            part.give_up(key, waiter)
+            raise
+        part.take_turn(key, waiter, asyncio.current_task())  # type: ignore[arg-type]
 
     # -- running calls --------------------------------------------------------------------
     #
@@ -206,16 +212,15 @@ class KeyedSerialQueue:
                 raise QueueClosed(f"queue is closed; cannot register key {key!r}")
             part[key] = task  # the uncontended path: one dict entry, nothing else
         else:
-            registration = part.register(key, holder, task, timeout, self._max_pending)
-            if registration is None:  # re-entry: run inside the turn this task holds
+            waiter = part.register(key, holder, task, timeout, self._max_pending)
+            if waiter is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
-            if registration.waiter is not None:
-                try:
-                    await registration.waiter
-                except BaseException:
-                    part.give_up(key, registration, task)
-                    raise
-            part.take_turn(key, registration, task)
+            try:
+                await waiter
+            except BaseException:
+                part.give_up(key, waiter)
+                raise
+            part.take_turn(key, waiter, task)
         try:
             if kwargs:
                 return await fn(*args, **kwargs)
@@ -281,16 +286,15 @@ class KeyedSerialQueue:
                 raise QueueClosed(f"queue is closed; cannot register key {key!r}")
             part[key] = task  # the uncontended path: one dict entry, nothing else
         else:
-            registration = part.register(key, holder, task, timeout, self._max_pending, group)
-            if registration is None:  # re-entry: run inside the turn this task holds
+            waiter = part.register(key, holder, task, timeout, self._max_pending, group)
+            if waiter is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
-            if registration.waiter is not None:
-                try:
-                    await registration.waiter
-                except BaseException:
-                    part.give_up(key, registration, task)
-                    raise
-            part.take_turn(key, registration, task)
+            try:
+                await waiter
+            except BaseException:
+                part.give_up(key, waiter)
+                raise
+            part.take_turn(key, waiter, task)
         try:
             if kwargs:
                 return await fn(*args, **kwargs)
@@ -344,12 +348,12 @@ class KeyedSerialQueue:
             raise _unhashable(key) from None
         if holder is None:
             # The task may start eagerly inside create_task, so the turn is reserved first.
-            state = part[key] = KeyState(GRANTED)
-            registration: Registration | None = Registration(state, None, None)
+            part[key] = KeyState(GRANTED)
+            waiter: Waiter | None = granted_waiter(part, key)
         else:
-            registration = part.register(key, holder, NEW_TASK, None, self._max_pending)
-        assert registration is not None  # a task that does not exist yet holds nothing
-        submission = _Submission(self, part, key, registration)
+            waiter = part.register(key, holder, NEW_TASK, None, self._max_pending)
+        assert waiter is not None  # a task that does not exist yet holds nothing
+        submission = _Submission(self, part, key, waiter)
         task = loop.create_task(submission.execute(fn, args, kwargs))
         task.add_done_callback(submission.withdraw_if_unstarted)
         return task
@@ -589,15 +593,15 @@ class KeyedSerialQueue:
 class _Submission:
     """The registration made by ``submit``, and its withdrawal if the task never starts."""
 
-    __slots__ = ("key", "part", "queue", "registration", "started")
+    __slots__ = ("key", "part", "queue", "started", "waiter")
 
     def __init__(
-        self, queue: KeyedSerialQueue, part: Partition, key: Hashable, registration: Registration
+        self, queue: KeyedSerialQueue, part: Partition, key: Hashable, waiter: Waiter
     ) -> None:
         self.queue = queue
         self.part = part
         self.key = key
-        self.registration = registration
+        self.waiter = waiter
         self.started = False
 
     async def execute(
@@ -605,17 +609,15 @@ class _Submission:
     ) -> T:
         self.started = True
         queue, part, key = self.queue, self.part, self.key
-        if self.registration.waiter is not None and part.detect_deadlocks:
+        if not self.waiter.done() and part.detect_deadlocks:
             # Checked now rather than in submit(): by its first step, a holder that submitted
             # this task may already be awaiting it, which is a cycle.
-            task: Task = asyncio.current_task()  # type: ignore[assignment]
             try:
-                check_no_cycle(part, task, (key,))
+                check_no_cycle(part, asyncio.current_task(), (key,))  # type: ignore[arg-type]
             except DeadlockError:
-                part.give_up(key, self.registration, task)
+                part.give_up(key, self.waiter)
                 raise
-            part.blocked[task] = (key,)
-        await queue._await_turn(part, key, self.registration)
+        await queue._await_turn(part, key, self.waiter)
         error: BaseException | None = None
         try:
             return await fn(*args, **kwargs)
@@ -624,12 +626,12 @@ class _Submission:
             raise
         finally:
             part.count_end(error)
-            part.release(key, self.registration.state)
+            part.release(key, part[key])  # type: ignore[arg-type]
 
     def withdraw_if_unstarted(self, task: asyncio.Task[Any]) -> None:
         # A task cancelled before its first step never runs execute()'s cleanup.
         if not self.started:
-            self.part.give_up(self.key, self.registration, None)
+            self.part.give_up(self.key, self.waiter)
 
 
 class _KeyLock:
@@ -666,12 +668,12 @@ class _KeyLock:
                 raise QueueClosed(f"queue is closed; cannot register key {key!r}")
             part[key] = task
         else:
-            registration = part.register(
+            waiter = part.register(
                 key, holder, task, self._timeout, queue._max_pending, self._group
             )
-            if registration is None:
+            if waiter is None:
                 return  # re-entry: the outer turn stays in charge of releasing
-            await queue._await_turn(part, key, registration)
+            await queue._await_turn(part, key, waiter)
         self._part, self._task = part, task
         owner = sys._getframe(1)  # the coroutine running the ``async with`` block
         self._fence_token = enter_lock_block(owner, lambda: part.fence_for((key,)))

@@ -31,15 +31,32 @@ COMPACT_SLACK = 32
 
 
 class Waiter(asyncio.Future):  # type: ignore[type-arg]
-    """What a single-key call waits on: True once granted, False on timeout, None superseded."""
+    """What a waiting call awaits: True once granted, False on timeout, None if superseded.
 
-    __slots__ = ("since",)
+    It also says what it waits for: the deadlock check follows a blocked task's
+    ``_fut_waiter`` to it, so waiting costs no extra bookkeeping.
+    """
+
+    __slots__ = ("keys", "part", "since", "timer")
     since: float  # when the call registered
+    part: Partition  # whose keys
+    keys: tuple[Hashable, ...]  # the keys it waits for
+    timer: asyncio.TimerHandle | None  # bounds the wait, if it has a timeout
 
 
-def new_waiter(loop: asyncio.AbstractEventLoop) -> Waiter:
-    waiter = Waiter(loop=loop)
+def new_waiter(part: Partition, keys: tuple[Hashable, ...]) -> Waiter:
+    waiter = Waiter(loop=part.loop)
     waiter.since = time.monotonic()
+    waiter.part = part
+    waiter.keys = keys
+    waiter.timer = None
+    return waiter
+
+
+def granted_waiter(part: Partition, key: Hashable) -> Waiter:
+    """A waiter for a turn that was free: already granted, awaiting it does not suspend."""
+    waiter = new_waiter(part, (key,))
+    waiter.set_result(True)
     return waiter
 
 
@@ -75,14 +92,6 @@ class KeyState:
         self.since = time.monotonic()
 
 
-class Registration(NamedTuple):
-    """A single-key call registered on a busy key."""
-
-    state: KeyState
-    waiter: asyncio.Future[bool | None] | None  # None: the turn was free and is taken at once
-    timer: asyncio.TimerHandle | None
-
-
 class MultiRegistration(NamedTuple):
     """A multi-key call: the keys it had to acquire (not those it already held)."""
 
@@ -105,7 +114,6 @@ class Partition(dict[Hashable, "Task | KeyState"]):
 
     __slots__ = (
         "attention",
-        "blocked",
         "cancelled",
         "cancelled_running",
         "closed",
@@ -133,9 +141,6 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         # fence. The uncontended path checks this one flag instead of each reason.
         self.attention = False
         self.detect_deadlocks = detect_deadlocks
-        # Tasks waiting for a turn, and the keys they wait for: the deadlock check's graph
-        # (kept only while deadlocks are detected).
-        self.blocked: dict[Task, Sequence[Hashable]] = {}
         # Cumulative counts for stats(); "started" and "completed" are derived from them.
         self.ended = self.failed = self.cancelled = self.cancelled_running = 0
         self.timed_out = self.rejected = self.superseded = 0
@@ -196,6 +201,13 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             return holder.task
         return holder if isinstance(holder, asyncio.Task) else None
 
+    def waiting_for(self, task: Task) -> tuple[Hashable, ...]:
+        """The keys of this partition that ``task`` is waiting for, if any."""
+        awaited = getattr(task, "_fut_waiter", None)
+        if type(awaited) is Waiter and awaited.part is self and not awaited.done():
+            return awaited.keys
+        return ()
+
     def pending_of(self, key: Hashable) -> int:
         held = self.get(key)
         if held is None:
@@ -218,7 +230,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         timeout: float | None,
         max_pending: int | None,
         group: Hashable | None = None,
-    ) -> Registration | None:
+    ) -> Waiter | None:
         """Register ``owner`` on the busy ``key``; ``None`` if ``owner`` holds it (re-entry).
 
         A call with a ``group`` supersedes the waiting call of the same key and group.
@@ -242,18 +254,15 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         if detect:
             # Walk only if the holder itself waits on something: usually it is running.
             blocking = holder.task if type(holder) is MultiTurn else holder
-            if blocking in self.blocked or isinstance(
-                getattr(blocking, "_fut_waiter", None), asyncio.Task
-            ):
+            awaited = getattr(blocking, "_fut_waiter", None)
+            if type(awaited) is Waiter or isinstance(awaited, asyncio.Task):
                 check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
         state = self._contended(key, held)
         state.pending += 1
         if state.holder is None:
-            state.holder = GRANTED if owner is NEW_TASK else owner
-            state.since = time.monotonic()
-            return Registration(state, None, None)
-        loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
-        waiter = new_waiter(loop)
+            state.holder = GRANTED
+            return granted_waiter(self, key)
+        waiter = new_waiter(self, (key,))
         state.waiters.append(waiter)
         if group is not None:
             if replaced is not None:
@@ -263,28 +272,23 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             if state.latest is None:
                 state.latest = {}
             state.latest[group] = waiter
-        if detect:
-            self.blocked[owner] = (key,)  # type: ignore[index]
-        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
-        return Registration(state, waiter, timer)
+        if timeout is not None:
+            waiter.timer = self.loop.call_later(timeout, _expire, waiter)  # type: ignore[union-attr]
+        return waiter
 
-    def give_up(self, key: Hashable, registration: Registration, task: Task | None) -> None:
+    def give_up(self, key: Hashable, waiter: Waiter) -> None:
         """The wait for the turn was interrupted (cancelled, or another BaseException)."""
         self.cancelled += 1
-        if self.blocked:
-            self.blocked.pop(task, None)  # type: ignore[arg-type]
-        if registration.timer is not None:
-            registration.timer.cancel()
-        self.abandon(key, registration.state, registration.waiter)
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        self.abandon(key, self[key], waiter)  # type: ignore[arg-type]
 
-    def take_turn(self, key: Hashable, registration: Registration, task: Task) -> None:
+    def take_turn(self, key: Hashable, waiter: Waiter, task: Task) -> None:
         """The wait ended: take the turn, or raise TimeoutError if the timer ended it."""
-        if self.blocked:
-            self.blocked.pop(task, None)
-        state, waiter, timer = registration
-        if timer is not None:
-            timer.cancel()
-        if waiter is not None and (outcome := waiter.result()) is not True:
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        state: KeyState = self[key]  # type: ignore[assignment]
+        if (outcome := waiter.result()) is not True:
             self.abandon(key, state, waiter)
             if outcome is None:
                 raise Superseded(key)
@@ -393,7 +397,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         if busy and self.detect_deadlocks:
             check_no_cycle(self, task, busy)
         loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
-        turn = MultiTurn(loop.create_future(), task)
+        turn = MultiTurn(new_waiter(self, busy), task)
         for key in needed:
             held = self.get(key)
             if held is None:
@@ -408,8 +412,6 @@ class Partition(dict[Hashable, "Task | KeyState"]):
                 turn.missing += 1
         if turn.missing == 0:
             turn.future.set_result(True)
-        elif self.detect_deadlocks:
-            self.blocked[task] = busy
         timer = None
         if timeout is not None and turn.missing:
             timer = loop.call_later(timeout, _expire, turn.future)
@@ -420,8 +422,6 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         turn, keys, timer = registration
         if turn is None:
             return
-        if self.blocked:
-            self.blocked.pop(turn.task, None)
         if timer is not None:
             timer.cancel()
         if turn.future.result() is not True:
@@ -440,8 +440,6 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         turn, keys, timer = registration
         assert turn is not None  # only a call that had to wait can give up
         self.cancelled += 1
-        if self.blocked:
-            self.blocked.pop(turn.task, None)
         if timer is not None:
             timer.cancel()
         if self.loop.is_closed():  # type: ignore[union-attr]
