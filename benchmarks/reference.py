@@ -13,9 +13,9 @@ from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
 from keyserial import KeyedSerialQueue
-from keyserial._errors import QueueClosed
 from keyserial._loops import get_running_loop, task_of
-from keyserial._queue import _unhashable
+from keyserial._queue import _outside_task, _unhashable
+from keyserial._state import closed_error
 
 T = TypeVar("T")
 
@@ -33,14 +33,14 @@ class UncountedQueue(KeyedSerialQueue):
             part = self._partition(loop)
         task = task_of(loop)
         if task is None:
-            raise RuntimeError("keyserial calls must run inside an asyncio task")
+            raise _outside_task()
         try:
             holder = part.get(key)
         except TypeError:
             raise _unhashable(key) from None
         if holder is None:
             if part.closed:
-                raise QueueClosed(f"queue is closed; cannot register key {key!r}")
+                raise closed_error(key)
             part[key] = task  # the uncontended path: one dict entry, nothing else
         else:
             waiter = part.register(key, holder, task, timeout, self._max_pending)

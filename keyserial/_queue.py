@@ -12,7 +12,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._deadlock import check_no_cycle
-from ._errors import DeadlockError, QueueClosed
+from ._errors import DeadlockError
 from ._fence import enter_lock_block, exit_lock_block, register_turn_code
 from ._loops import get_running_loop, task_of
 from ._state import (
@@ -22,6 +22,7 @@ from ._state import (
     MultiRegistration,
     Partition,
     Waiter,
+    closed_error,
     granted_waiter,
 )
 from ._stats import QueueStats, snapshot
@@ -36,6 +37,10 @@ Task = asyncio.Task[Any]
 
 def _unhashable(key: object) -> TypeError:
     return TypeError(f"keyserial keys must be hashable, got {type(key).__name__}: {key!r}")
+
+
+def _outside_task() -> RuntimeError:
+    return RuntimeError("keyserial calls must run inside an asyncio task")
 
 
 def _check_timeout(timeout: float | None) -> None:
@@ -158,6 +163,15 @@ class KeyedSerialQueue:
             return self._cached
         return self._partition(loop)
 
+    def _here(self) -> tuple[Partition, Task]:
+        """The running loop's share and the current task (run and call inline this)."""
+        loop = get_running_loop()
+        part = self._partition(loop)
+        task = task_of(loop)
+        if task is None:
+            raise _outside_task()
+        return part, task
+
     async def _await_turn(self, part: Partition, key: Hashable, waiter: Waiter) -> None:
         try:
             await waiter
@@ -202,14 +216,14 @@ class KeyedSerialQueue:
             part = self._partition(loop)
         task = task_of(loop)
         if task is None:
-            raise RuntimeError("keyserial calls must run inside an asyncio task")
+            raise _outside_task()
         try:
             holder = part.get(key)
         except TypeError:
             raise _unhashable(key) from None
         if holder is None:
             if part.closed:
-                raise QueueClosed(f"queue is closed; cannot register key {key!r}")
+                raise closed_error(key)
             part[key] = task  # the uncontended path: one dict entry, nothing else
         else:
             waiter = part.register(key, holder, task, timeout, self._max_pending)
@@ -276,14 +290,14 @@ class KeyedSerialQueue:
             part = self._partition(loop)
         task = task_of(loop)
         if task is None:
-            raise RuntimeError("keyserial calls must run inside an asyncio task")
+            raise _outside_task()
         try:
             holder = part.get(key)
         except TypeError:
             raise _unhashable(key) from None
         if holder is None:
             if part.closed:
-                raise QueueClosed(f"queue is closed; cannot register key {key!r}")
+                raise closed_error(key)
             part[key] = task  # the uncontended path: one dict entry, nothing else
         else:
             waiter = part.register(key, holder, task, timeout, self._max_pending, group)
@@ -341,7 +355,7 @@ class KeyedSerialQueue:
         loop = get_running_loop()
         part = self._partition(loop)
         if part.closed:
-            raise QueueClosed(f"queue is closed; cannot register key {key!r}")
+            raise closed_error(key)
         try:
             holder = part.get(key)
         except TypeError:
@@ -391,11 +405,7 @@ class KeyedSerialQueue:
 
     def _entered(self, keys: Iterable[Hashable]) -> tuple[Partition, Task, tuple[Hashable, ...]]:
         """The running loop's share, the current task and ``keys`` checked and deduplicated."""
-        loop = get_running_loop()
-        part = self._partition(loop)
-        task = task_of(loop)
-        if task is None:
-            raise RuntimeError("keyserial calls must run inside an asyncio task")
+        part, task = self._here()
         if isinstance(keys, (str, bytes)):
             raise TypeError(f"keys must be an iterable of keys, not a single {type(keys).__name__}")
         unique: dict[Hashable, None] = {}
@@ -654,18 +664,14 @@ class _KeyLock:
         if self._part is not None:
             raise RuntimeError("a keyserial lock() object cannot be entered twice at once")
         queue, key = self._queue, self._key
-        loop = get_running_loop()
-        part = queue._partition(loop)
-        task = task_of(loop)
-        if task is None:
-            raise RuntimeError("keyserial calls must run inside an asyncio task")
+        part, task = queue._here()
         try:
             holder = part.get(key)
         except TypeError:
             raise _unhashable(key) from None
         if holder is None:
             if part.closed:
-                raise QueueClosed(f"queue is closed; cannot register key {key!r}")
+                raise closed_error(key)
             part[key] = task
         else:
             waiter = part.register(

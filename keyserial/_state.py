@@ -100,6 +100,10 @@ class MultiRegistration(NamedTuple):
     timer: asyncio.TimerHandle | None
 
 
+def closed_error(key: Hashable) -> QueueClosed:
+    return QueueClosed(f"queue is closed; cannot register key {key!r}")
+
+
 def _expire(future: asyncio.Future[bool | None]) -> None:
     if not future.done():
         future.set_result(False)
@@ -240,7 +244,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         if holder is owner:
             return None
         if self.closed:
-            raise QueueClosed(f"queue is closed; cannot register key {key!r}")
+            raise closed_error(key)
         pending = held.pending if type(held) is KeyState else 1
         replaced = None
         if group is not None and type(held) is KeyState and held.latest is not None:
