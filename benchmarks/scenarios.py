@@ -234,7 +234,8 @@ async def observability(calls: int, repeats: int) -> Table:
 
     queues = {
         "queue.run, no observer": KeyedSerialQueue(),
-        "same body without the stats counters": UncountedQueue(),
+        "run before stats() (reference)": UncountedQueue(),
+        "queue.run, count_calls=True": KeyedSerialQueue(count_calls=True),
         "queue.run, no-op observer": KeyedSerialQueue(observer=QueueObserver()),
         "queue.run, slow_turn=60": KeyedSerialQueue(slow_turn=60.0),
     }

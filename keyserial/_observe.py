@@ -151,10 +151,11 @@ class ObservedQueue(KeyedSerialQueue):
         max_pending: int | None = None,
         *,
         detect_deadlocks: bool = True,
+        count_calls: bool = False,
         observer: QueueObserver | None = None,
         slow_turn: float | None = None,
     ) -> None:
-        super().__init__(max_pending, detect_deadlocks=detect_deadlocks)
+        super().__init__(max_pending, detect_deadlocks=detect_deadlocks, count_calls=count_calls)
         if slow_turn is not None and not slow_turn > 0:
             raise ValueError(f"slow_turn must be None or a number > 0, got {slow_turn!r}")
         self._observer = observer

@@ -73,6 +73,10 @@ class KeyedSerialQueue:
         detect_deadlocks: check, whenever a call must wait, that the wait does
             not close a cycle of tasks waiting on each other, and raise
             :class:`DeadlockError` instead of hanging. Only waiting calls pay.
+        count_calls: count every turn, so that :meth:`stats` reports ``started``
+            and ``completed``. Off by default: the count would make every
+            uncontended call about 8% dearer. Failures, cancellations, timeouts,
+            rejections and supersessions are counted either way.
         observer: a :class:`QueueObserver` told of every call's registration,
             start (with time waited) and finish (with time run and outcome).
         slow_turn: seconds; a turn running longer logs one warning through the
@@ -96,13 +100,21 @@ class KeyedSerialQueue:
         ['a', 'b', 'c']
     """
 
-    __slots__ = ("_cached", "_detect_deadlocks", "_max_pending", "_partitions", "_switch_lock")
+    __slots__ = (
+        "_cached",
+        "_count_calls",
+        "_detect_deadlocks",
+        "_max_pending",
+        "_partitions",
+        "_switch_lock",
+    )
 
     def __new__(
         cls,
         max_pending: int | None = None,
         *,
         detect_deadlocks: bool = True,
+        count_calls: bool = False,
         observer: QueueObserver | None = None,
         slow_turn: float | None = None,
     ) -> KeyedSerialQueue:
@@ -119,6 +131,7 @@ class KeyedSerialQueue:
         max_pending: int | None = None,
         *,
         detect_deadlocks: bool = True,
+        count_calls: bool = False,
         observer: QueueObserver | None = None,
         slow_turn: float | None = None,
     ) -> None:
@@ -128,10 +141,11 @@ class KeyedSerialQueue:
             raise ValueError(f"max_pending must be None or an int >= 1, got {max_pending!r}")
         self._max_pending = max_pending
         self._detect_deadlocks = detect_deadlocks
+        self._count_calls = count_calls
         self._partitions: dict[asyncio.AbstractEventLoop, Partition] = {}
         # The last partition used; it carries its loop, so one read gives a consistent pair
         # even when threads with loops of their own share the queue.
-        self._cached = Partition(None, detect_deadlocks)
+        self._cached = Partition(None, detect_deadlocks, count_calls)
         self._switch_lock = threading.Lock()
 
     @property
@@ -152,7 +166,9 @@ class KeyedSerialQueue:
                 # loop unaffected by work it left registered, and frees what it held.
                 for stale in [old for old in self._partitions if old.is_closed()]:
                     del self._partitions[stale]
-                part = self._partitions[loop] = Partition(loop, self._detect_deadlocks)
+                part = self._partitions[loop] = Partition(
+                    loop, self._detect_deadlocks, self._count_calls
+                )
             self._cached = part
         return part
 
@@ -243,10 +259,9 @@ class KeyedSerialQueue:
             part.count_failure(exc)
             raise
         finally:
-            part.ended += 1
             held = part.pop(key)
             if held is not task or part.attention:
-                part.after_turn(key, held, task)
+                part.end_turn(key, held, task)
 
     async def call(
         self,
@@ -317,10 +332,9 @@ class KeyedSerialQueue:
             part.count_failure(exc)
             raise
         finally:
-            part.ended += 1
             held = part.pop(key)
             if held is not task or part.attention:
-                part.after_turn(key, held, task)
+                part.end_turn(key, held, task)
 
     def submit(
         self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
@@ -522,7 +536,9 @@ class KeyedSerialQueue:
         """An immutable snapshot of the running loop's share: current load and cumulative counts.
 
         Counts are of turns (a re-entrant call runs inside its caller's turn and
-        is not counted). ``longest_wait`` is exact. ``longest_running`` is exact
+        is not counted). ``started`` and ``completed`` are ``None`` unless the
+        queue was made with ``count_calls=True``; the other counts are always
+        kept. ``longest_wait`` is exact. ``longest_running`` is exact
         for turns handed over from a waiting call; a turn that began while no
         one waited is timed from when the first call queued behind it — how long
         it has been keeping others waiting — unless the queue has an observer or
@@ -530,7 +546,11 @@ class KeyedSerialQueue:
 
         Example:
             >>> from keyserial import KeyedSerialQueue
-            >>> KeyedSerialQueue().stats().started
+            >>> KeyedSerialQueue().stats().waiting
+            0
+            >>> print(KeyedSerialQueue().stats().started)
+            None
+            >>> KeyedSerialQueue(count_calls=True).stats().started
             0
         """
         return snapshot(self._inspected(), time.monotonic())

@@ -17,8 +17,10 @@ class QueueStats:
         keys: keys with registered work.
         running: calls holding their turn (a multi-key call counts once).
         waiting: calls waiting for their turn.
-        started, completed, failed, cancelled: turns that started; that returned;
-            that raised; calls cancelled while waiting or running.
+        started, completed: turns that started; that returned. ``None`` unless
+            the queue was made with ``count_calls=True``.
+        failed, cancelled: turns that raised; calls cancelled while waiting or
+            running.
         timed_out, rejected, superseded: calls that gave up waiting on their
             timeout; that ``max_pending`` refused; that a newer call replaced.
         longest_wait: ``(key, seconds)`` of the call waiting longest, or None.
@@ -28,8 +30,8 @@ class QueueStats:
     keys: int
     running: int
     waiting: int
-    started: int
-    completed: int
+    started: int | None
+    completed: int | None
     failed: int
     cancelled: int
     timed_out: int
@@ -70,12 +72,13 @@ def snapshot(part: Partition, now: float) -> QueueStats:
                 if longest_wait is None or waited > longest_wait[1]:
                     longest_wait = (key, waited)
     running = len(holders)
+    counted = part.counting
     return QueueStats(
         keys=len(part),
         running=running,
         waiting=len(waiters),
-        started=part.ended + running,
-        completed=part.ended - part.failed - part.cancelled_running,
+        started=part.ended + running if counted else None,
+        completed=part.ended - part.failed - part.cancelled_running if counted else None,
         failed=part.failed,
         cancelled=part.cancelled,
         timed_out=part.timed_out,

@@ -14,6 +14,7 @@ from keyserial import (
     QueueObserver,
     QueueStats,
     Superseded,
+    current_fence,
     serialized,
 )
 
@@ -22,8 +23,9 @@ from .scheduling import settle
 pytestmark = pytest.mark.asyncio
 
 
-async def test_stats_counts_every_kind_of_outcome() -> None:
-    queue = KeyedSerialQueue(max_pending=4)
+@pytest.mark.parametrize("count_calls", [True, False])
+async def test_stats_counts_every_kind_of_outcome(count_calls: bool) -> None:
+    queue = KeyedSerialQueue(max_pending=4, count_calls=count_calls)
     gate = asyncio.Event()
 
     async def hold() -> None:
@@ -59,7 +61,8 @@ async def test_stats_counts_every_kind_of_outcome() -> None:
     stats = queue.stats()
     assert isinstance(stats, QueueStats)
     assert (stats.keys, stats.running, stats.waiting) == (1, 1, 2)
-    assert (stats.started, stats.completed, stats.failed) == (3, 1, 1)
+    counted = (3, 1) if count_calls else (None, None)
+    assert (stats.started, stats.completed, stats.failed) == (*counted, 1)
     assert (stats.cancelled, stats.timed_out, stats.rejected, stats.superseded) == (1, 1, 1, 1)
     assert stats.longest_running is not None and stats.longest_running[0] == "k"
     assert stats.longest_wait is not None and stats.longest_wait[0] == "k"
@@ -70,7 +73,8 @@ async def test_stats_counts_every_kind_of_outcome() -> None:
     await asyncio.gather(holder, waiter, superseding)
     final = queue.stats()
     assert (final.keys, final.running, final.waiting) == (0, 0, 0)
-    assert (final.started, final.completed, final.failed) == (5, 4, 1)
+    counted = (5, 4) if count_calls else (None, None)
+    assert (final.started, final.completed, final.failed) == (*counted, 1)
     assert final.longest_wait is None and final.longest_running is None
 
 
@@ -265,7 +269,7 @@ async def test_bad_slow_turn_is_rejected() -> None:
 
 
 async def test_stats_count_a_multi_key_call_collecting_keys_as_waiting() -> None:
-    queue = KeyedSerialQueue()
+    queue = KeyedSerialQueue(count_calls=True)
     gate = asyncio.Event()
 
     async def hold() -> None:
@@ -281,3 +285,54 @@ async def test_stats_count_a_multi_key_call_collecting_keys_as_waiting() -> None
     gate.set()
     await asyncio.gather(holder, merge)
     assert queue.stats().started == 2
+
+
+async def test_counting_covers_every_way_of_taking_a_turn() -> None:
+    queue = KeyedSerialQueue(count_calls=True)
+
+    async def ok() -> None:
+        pass
+
+    async def fenced() -> int:
+        return current_fence()
+
+    await queue.run("a", ok)
+    await queue.call("a", ok, (), {})
+    await queue.submit("a", ok)
+    await queue.run_all(["a", "b"], ok)
+    async with queue.lock("a"):
+        pass
+    async with queue.lock_all(["a", "b"]):
+        pass
+    assert queue.stats().started == 6
+    # A fence handed out, then dropped at the turn's end, must not switch counting off
+    # for the uncontended calls that follow.
+    await queue.run("a", fenced)
+    joined = asyncio.create_task(queue.join())
+    await queue.run("b", ok)
+    await joined
+    await queue.run("a", ok)
+    stats = queue.stats()
+    assert (stats.started, stats.completed, stats.failed) == (9, 9, 0)
+
+
+async def test_a_queue_not_counting_calls_still_counts_failures_and_cancellations() -> None:
+    queue = KeyedSerialQueue()
+    gate = asyncio.Event()
+
+    async def boom() -> None:
+        raise ValueError("boom")
+
+    async def hold() -> None:
+        await gate.wait()
+
+    with pytest.raises(ValueError):
+        await queue.run("a", boom)
+    running = asyncio.create_task(queue.run("a", hold))
+    await settle()
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    stats = queue.stats()
+    assert (stats.started, stats.completed) == (None, None)
+    assert (stats.failed, stats.cancelled) == (1, 1)
