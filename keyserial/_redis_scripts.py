@@ -4,7 +4,8 @@ All keys of one user key share a hash tag, so each script touches one slot and
 also runs on Redis Cluster. Per user key:
 
 * ``tickets`` — counter handing out tickets in arrival order;
-* ``queue`` — list of waiting tickets, oldest first;
+* ``queue`` — list of waiting tickets, oldest first; a ticket is ``"<n>@<listener>"``,
+  naming the process's grant listener, so a grant is published to that process alone;
 * ``alive`` — sorted set: waiting ticket -> time (ms) until which its waiter is alive;
 * ``holder`` — ``"<ticket>:<fence>"`` of the current turn, expiring with its lease;
 * ``fence`` — the last fence handed out.
@@ -16,60 +17,76 @@ key, and still larger than every earlier fence after Redis lost all its data.
 from __future__ import annotations
 
 # KEYS: tickets, queue, alive, holder, fence.  ARGV vary per script; the last ARGV of each
-# script that can grant are: lease_ms, channel, encoded key.
-_ADVANCE = """
-local function now_ms()
-  local t = redis.call('TIME')
+# script that can grant are: lease_ms, channel prefix, encoded key. A grant is published on
+# "<channel prefix><listener>" only: broadcasting it to every process of the queue made each
+# of them read and drop every other process's grants. Every grant is on a hand-off's
+# critical path, so each script reads the clock once and makes as few calls as it can.
+_GRANT = """
+local function grant(ticket, t, lease_ms)
+  local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local fence = math.max(tonumber(redis.call('GET', KEYS[5]) or '0') + 1, micros)
+  local text = string.format('%.0f', fence)
+  redis.call('SET', KEYS[5], text)
+  redis.call('SET', KEYS[4], ticket .. ':' .. text, 'PX', lease_ms)
+  return text
+end
+
+local function now_ms(t)
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local function advance(lease_ms, channel, encoded)
-  if redis.call('EXISTS', KEYS[4]) == 1 then
-    return nil
-  end
-  local now = now_ms()
+-- Grant the free turn to the oldest live waiter, skipping dead ones; tell it, unless it is
+-- the caller (own), who learns from the script's reply. Returns the fence granted to own.
+local function advance(t, own, lease_ms, prefix, encoded)
+  local now = now_ms(t)
   while true do
-    local head = redis.call('LINDEX', KEYS[2], 0)
+    local head = redis.call('LPOP', KEYS[2])
     if not head then
       return nil
     end
-    redis.call('LPOP', KEYS[2])
     local alive = redis.call('ZSCORE', KEYS[3], head)
     redis.call('ZREM', KEYS[3], head)
     if alive and tonumber(alive) >= now then
-      local t = redis.call('TIME')
-      local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
-      local last = tonumber(redis.call('GET', KEYS[5]) or '0')
-      local fence = math.max(last + 1, micros)
-      local text = string.format('%.0f', fence)
-      redis.call('SET', KEYS[5], text)
-      redis.call('SET', KEYS[4], head .. ':' .. text, 'PX', lease_ms)
-      redis.call('PUBLISH', channel, encoded .. '|' .. head .. '|' .. text)
-      return {head, text}
+      local text = grant(head, t, lease_ms)
+      if head == own then
+        return text
+      end
+      local listener = string.match(head, '@(.*)$') or ''
+      redis.call('PUBLISH', prefix .. listener, encoded .. '|' .. head .. '|' .. text)
+      return nil
     end
   end
 end
 """
 
-# ARGV: waiter_lease_ms, lease_ms, channel, encoded key -> {ticket, fence or ''}
+# ARGV: waiter_lease_ms, lease_ms, channel prefix, encoded key, listener
+#   -> {ticket, fence or ''}
 ACQUIRE = (
-    _ADVANCE
+    _GRANT
     + """
-local ticket = tostring(redis.call('INCR', KEYS[1]))
+local ticket = redis.call('INCR', KEYS[1]) .. '@' .. ARGV[5]
+local t = redis.call('TIME')
+local held = redis.call('EXISTS', KEYS[4]) == 1
+if not held and redis.call('LLEN', KEYS[2]) == 0 then
+  return {ticket, grant(ticket, t, tonumber(ARGV[2]))}
+end
 redis.call('RPUSH', KEYS[2], ticket)
-redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[1]), ticket)
-local granted = advance(tonumber(ARGV[2]), ARGV[3], ARGV[4])
-if granted and granted[1] == ticket then
-  return {ticket, granted[2]}
+redis.call('ZADD', KEYS[3], now_ms(t) + tonumber(ARGV[1]), ticket)
+if not held then
+  -- The holder's lease ran out with tickets waiting: serve them first.
+  local fence = advance(t, ticket, tonumber(ARGV[2]), ARGV[3], ARGV[4])
+  if fence then
+    return {ticket, fence}
+  end
 end
 return {ticket, ''}
 """
 )
 
-# ARGV: ticket, waiter_lease_ms, lease_ms, channel, encoded key
+# ARGV: ticket, waiter_lease_ms, lease_ms, channel prefix, encoded key
 #   -> {'granted', fence} | {'waiting', ''} | {'lost', ''} (the ticket is gone: register again)
 POLL = (
-    _ADVANCE
+    _GRANT
     + """
 local ticket = ARGV[1]
 local holder = redis.call('GET', KEYS[4])
@@ -79,32 +96,36 @@ end
 if not redis.call('LPOS', KEYS[2], ticket) then
   return {'lost', ''}
 end
-redis.call('ZADD', KEYS[3], 'XX', now_ms() + tonumber(ARGV[2]), ticket)
-local granted = advance(tonumber(ARGV[3]), ARGV[4], ARGV[5])
-if granted and granted[1] == ticket then
-  return {'granted', granted[2]}
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[3], 'XX', now_ms(t) + tonumber(ARGV[2]), ticket)
+if not holder then
+  local fence = advance(t, ticket, tonumber(ARGV[3]), ARGV[4], ARGV[5])
+  if fence then
+    return {'granted', fence}
+  end
 end
 return {'waiting', ''}
 """
 )
 
-# ARGV: ticket, lease_ms, channel, encoded key -> 1 if the ticket held the turn, else 0.
+# ARGV: ticket, lease_ms, channel prefix, encoded key -> 1 if the ticket held the turn, else 0.
 # Either way the ticket leaves the queue and the next live waiter gets the turn.
 RELEASE = (
-    _ADVANCE
+    _GRANT
     + """
 local ticket = ARGV[1]
-local held = 0
 local holder = redis.call('GET', KEYS[4])
 if holder and string.sub(holder, 1, string.len(ticket) + 1) == ticket .. ':' then
   redis.call('DEL', KEYS[4])
-  held = 1
-else
-  redis.call('LREM', KEYS[2], 0, ticket)
-  redis.call('ZREM', KEYS[3], ticket)
+  advance(redis.call('TIME'), '', tonumber(ARGV[2]), ARGV[3], ARGV[4])
+  return 1
 end
-advance(tonumber(ARGV[2]), ARGV[3], ARGV[4])
-return held
+redis.call('LREM', KEYS[2], 0, ticket)
+redis.call('ZREM', KEYS[3], ticket)
+if not holder then
+  advance(redis.call('TIME'), '', tonumber(ARGV[2]), ARGV[3], ARGV[4])
+end
+return 0
 """
 )
 

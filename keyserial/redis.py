@@ -10,6 +10,7 @@ import base64
 import contextlib
 import hashlib
 import logging
+import secrets
 import sys
 import time
 from collections import OrderedDict
@@ -146,18 +147,30 @@ class _LeaseKeeper:
             self.renewal.cancel()
 
 
+def _time_up(granted: asyncio.Future[int | None]) -> None:
+    if not granted.done():
+        granted.set_result(None)
+
+
 class _Subscriber:
-    """One event loop's subscription to the queue's grant channel."""
+    """One event loop's subscription to its own grant channel.
+
+    Its tickets name it (``<n>@<listener>``), so Redis publishes their grants on this
+    channel alone, and no process reads the grants of another.
+    """
 
     def __init__(self, queue: RedisKeyedQueue) -> None:
         self.queue = queue
-        self.waiting: dict[tuple[str, str], asyncio.Future[int]] = {}
+        self.listener = secrets.token_hex(8)
+        self.channel = queue._channel_prefix + self.listener
+        self.waiting: dict[tuple[str, str], asyncio.Future[int | None]] = {}
         self.early: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.ready = asyncio.get_running_loop().create_future()
         self.task = asyncio.get_running_loop().create_task(self._listen())
 
-    def expect(self, encoded: str, ticket: str) -> asyncio.Future[int]:
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    def expect(self, encoded: str, ticket: str) -> asyncio.Future[int | None]:
+        """A future set to the ticket's fence when its grant arrives (None: time to poll)."""
+        future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
         fence = self.early.pop((encoded, ticket), None)
         if fence is not None:
             future.set_result(fence)
@@ -171,11 +184,11 @@ class _Subscriber:
     def _deliver(self, message: bytes) -> None:
         encoded, ticket, fence = message.decode().split("|")
         future = self.waiting.pop((encoded, ticket), None)
-        if future is not None:
-            if not future.done():
-                future.set_result(int(fence))
+        if future is not None and not future.done():
+            future.set_result(int(fence))
             return
-        # The grant may arrive before the request that registered the ticket returned.
+        # The grant may arrive before the request that registered the ticket returned, or
+        # just after the waiter's poll timer fired.
         self.early[(encoded, ticket)] = int(fence)
         while len(self.early) > _EARLY_GRANTS:
             self.early.popitem(last=False)
@@ -185,7 +198,7 @@ class _Subscriber:
         while True:
             pubsub = self.queue._client.pubsub()
             try:
-                await pubsub.subscribe(self.queue._channel)
+                await pubsub.subscribe(self.channel)
                 if not self.ready.done():
                     self.ready.set_result(None)
                 backoff = 0.05
@@ -258,7 +271,7 @@ class RedisKeyedQueue:
         self._lease = lease
         self._lease_ms = max(1, int(lease * 1000))
         self._poll = lease / 3
-        self._channel = f"keyserial:{self._namespace}:grants"
+        self._channel_prefix = f"keyserial:{self._namespace}:grants:"
         self._local = KeyedSerialQueue(max_pending=max_pending)
         self._acquire_script = client.register_script(scripts.ACQUIRE)
         self._poll_script = client.register_script(scripts.POLL)
@@ -296,23 +309,19 @@ class RedisKeyedQueue:
         lease = self._lease_ms
         while True:  # once more each time Redis lost the ticket (a restart)
             ticket, fence = await self._script(
-                self._acquire_script, encoded, lease, lease, self._channel, encoded
-            )
+                self._acquire_script, encoded, lease, lease, self._channel_prefix, encoded,
+                subscriber.listener,
+            )  # fmt: skip
             ticket = ticket.decode() if isinstance(ticket, bytes) else str(ticket)
             if fence:
                 return _Turn(encoded, ticket, int(fence))
-            granted = subscriber.expect(encoded, ticket)
             try:
-                fence = await self._wait(encoded, ticket, granted, deadline)
+                fence = await self._wait(subscriber, encoded, ticket, deadline)
             except BaseException:
                 # Leave the queue; if the turn came meanwhile, this passes it on. If Redis is
                 # unreachable the ticket's heartbeat stops and Redis skips it in time.
                 with contextlib.suppress(RedisUnavailable):
-                    await asyncio.shield(
-                        self._script(
-                            self._release_script, encoded, ticket, lease, self._channel, encoded
-                        )
-                    )
+                    await asyncio.shield(self._leave(encoded, ticket))
                 raise
             finally:
                 subscriber.forget(encoded, ticket)
@@ -320,21 +329,30 @@ class RedisKeyedQueue:
                 return _Turn(encoded, ticket, fence)
 
     async def _wait(
-        self, encoded: str, ticket: str, granted: asyncio.Future[int], deadline: float | None
+        self, subscriber: _Subscriber, encoded: str, ticket: str, deadline: float | None
     ) -> int | None:
         """The fence once ``ticket`` is granted; None if Redis forgot the ticket."""
+        loop = asyncio.get_running_loop()
         while True:
             wait = self._poll
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.monotonic()))
-            done, _ = await asyncio.wait([granted], timeout=wait)
-            if done:
-                return granted.result()
+            granted = subscriber.expect(encoded, ticket)
+            # A timer rather than asyncio.wait(): every contended turn waits here once, and
+            # the timer is the cheaper of the two.
+            timer = loop.call_later(wait, _time_up, granted)
+            try:
+                fence = await granted
+            finally:
+                timer.cancel()
+            if fence is not None:
+                return fence
+            subscriber.forget(encoded, ticket)
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"timed out waiting for the turn of key {encoded!r}")
             status, fence = await self._script(
                 self._poll_script, encoded, ticket, self._lease_ms, self._lease_ms,
-                self._channel, encoded,
+                self._channel_prefix, encoded,
             )  # fmt: skip
             status = status.decode() if isinstance(status, bytes) else status
             if status == "granted":
@@ -342,20 +360,20 @@ class RedisKeyedQueue:
             if status == "lost":
                 return None
 
-    async def _release(self, turn: _Turn) -> bool:
+    async def _leave(self, encoded: str, ticket: str) -> bool:
+        """Take ``ticket`` out of the key's queue, passing the turn on; True if it held it."""
         held = await self._script(
-            self._release_script, turn.encoded, turn.ticket, self._lease_ms, self._channel,
-            turn.encoded,
-        )  # fmt: skip
+            self._release_script, encoded, ticket, self._lease_ms, self._channel_prefix, encoded
+        )
         return bool(held)
 
     async def _release_surely(self, turn: _Turn) -> bool:
         """Release ``turn``; if cancelled meanwhile, finish the release in the background."""
         try:
-            return await self._release(turn)
+            return await self._leave(turn.encoded, turn.ticket)
         except asyncio.CancelledError:
             # Releasing twice is harmless: the second finds the ticket gone.
-            asyncio.get_running_loop().create_task(self._release(turn))
+            asyncio.get_running_loop().create_task(self._leave(turn.encoded, turn.ticket))
             raise
 
     # -- running calls --------------------------------------------------------------------

@@ -43,9 +43,8 @@ def test_four_processes_twenty_keys_no_overlap_fifo_exactly_once(
     assert len({pid for _, pid, *_ in records}) == processes
     by_key: dict[str, list[tuple[int, int, int, int]]] = {}
     for key, _, _, ticket_text, fence_text, started, ended in records:
-        by_key.setdefault(key, []).append(
-            (int(started), int(ended), int(ticket_text), int(fence_text))
-        )
+        arrival = int(ticket_text.partition("@")[0])  # "<n>@<listener>": n is the arrival order
+        by_key.setdefault(key, []).append((int(started), int(ended), arrival, int(fence_text)))
     for key, turns in by_key.items():
         turns.sort()
         for (_, end, ticket, fence), (start, _, later_ticket, later_fence) in pairwise(turns):
