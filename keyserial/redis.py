@@ -93,12 +93,12 @@ def encode_key(key: object) -> str:
 
 
 class _Turn:
-    """A turn held in Redis: its ticket and fence, and whether its lease was lost."""
+    """A turn held in Redis: its key's base name, ticket and fence, and whether it was lost."""
 
-    __slots__ = ("encoded", "fence", "lost", "ticket")
+    __slots__ = ("base", "fence", "lost", "ticket")
 
-    def __init__(self, encoded: str, ticket: str, fence: int) -> None:
-        self.encoded = encoded
+    def __init__(self, base: str, ticket: str, fence: int) -> None:
+        self.base = base
         self.ticket = ticket
         self.fence = fence
         self.lost = False
@@ -128,7 +128,7 @@ class _LeaseKeeper:
         queue, turn = self.queue, self.turn
         try:
             renewed = await queue._script(
-                queue._renew_script, turn.encoded, f"{turn.ticket}:{turn.fence}", queue._lease_ms
+                queue._renew_script, turn.base, f"{turn.ticket}:{turn.fence}", queue._lease_ms
             )
         except RedisUnavailable:
             renewed = time.monotonic() < self.expires  # the lease may still hold: retry
@@ -162,34 +162,34 @@ class _Subscriber:
     def __init__(self, queue: RedisKeyedQueue) -> None:
         self.queue = queue
         self.listener = secrets.token_hex(8)
-        self.channel = queue._channel_prefix + self.listener
+        self.channel = f"keyserial:grants:{self.listener}"
         self.waiting: dict[tuple[str, str], asyncio.Future[int | None]] = {}
         self.early: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.ready = asyncio.get_running_loop().create_future()
         self.task = asyncio.get_running_loop().create_task(self._listen())
 
-    def expect(self, encoded: str, ticket: str) -> asyncio.Future[int | None]:
+    def expect(self, base: str, ticket: str) -> asyncio.Future[int | None]:
         """A future set to the ticket's fence when its grant arrives (None: time to poll)."""
         future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
-        fence = self.early.pop((encoded, ticket), None)
+        fence = self.early.pop((base, ticket), None)
         if fence is not None:
             future.set_result(fence)
         else:
-            self.waiting[(encoded, ticket)] = future
+            self.waiting[(base, ticket)] = future
         return future
 
-    def forget(self, encoded: str, ticket: str) -> None:
-        self.waiting.pop((encoded, ticket), None)
+    def forget(self, base: str, ticket: str) -> None:
+        self.waiting.pop((base, ticket), None)
 
     def _deliver(self, message: bytes) -> None:
-        encoded, ticket, fence = message.decode().split("|")
-        future = self.waiting.pop((encoded, ticket), None)
+        base, ticket, fence = message.decode().split("|")
+        future = self.waiting.pop((base, ticket), None)
         if future is not None and not future.done():
             future.set_result(int(fence))
             return
         # The grant may arrive before the request that registered the ticket returned, or
         # just after the waiter's poll timer fired.
-        self.early[(encoded, ticket)] = int(fence)
+        self.early[(base, ticket)] = int(fence)
         while len(self.early) > _EARLY_GRANTS:
             self.early.popitem(last=False)
 
@@ -271,7 +271,6 @@ class RedisKeyedQueue:
         self._lease = lease
         self._lease_ms = max(1, int(lease * 1000))
         self._poll = lease / 3
-        self._channel_prefix = f"keyserial:{self._namespace}:grants:"
         self._local = KeyedSerialQueue(max_pending=max_pending)
         self._acquire_script = client.register_script(scripts.ACQUIRE)
         self._poll_script = client.register_script(scripts.POLL)
@@ -282,13 +281,13 @@ class RedisKeyedQueue:
 
     # -- Redis operations -----------------------------------------------------------------
 
-    def _keys(self, encoded: str) -> list[str]:
-        tag = f"keyserial:{{{self._namespace}:{encoded}}}"
-        return [f"{tag}:{part}" for part in ("tickets", "queue", "alive", "holder", "fence")]
+    def _base(self, encoded: str) -> str:
+        """The name the scripts derive the key's Redis keys from; its braces are a hash tag."""
+        return f"keyserial:{{{self._namespace}:{encoded}}}"
 
-    async def _script(self, script: Any, encoded: str, *args: object) -> Any:
+    async def _script(self, script: Any, base: str, *args: object) -> Any:
         try:
-            return await script(keys=self._keys(encoded), args=list(args))
+            return await script(keys=[base], args=args)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise RedisUnavailable(f"Redis is unreachable: {exc}") from exc
         except RedisError as exc:
@@ -306,30 +305,29 @@ class RedisKeyedQueue:
 
     async def _acquire(self, encoded: str, deadline: float | None) -> _Turn:
         subscriber = await self._subscriber()
-        lease = self._lease_ms
+        base = self._base(encoded)
         while True:  # once more each time Redis lost the ticket (a restart)
             ticket, fence = await self._script(
-                self._acquire_script, encoded, lease, lease, self._channel_prefix, encoded,
-                subscriber.listener,
-            )  # fmt: skip
+                self._acquire_script, base, self._lease_ms, subscriber.listener
+            )
             ticket = ticket.decode() if isinstance(ticket, bytes) else str(ticket)
             if fence:
-                return _Turn(encoded, ticket, int(fence))
+                return _Turn(base, ticket, int(fence))
             try:
-                fence = await self._wait(subscriber, encoded, ticket, deadline)
+                fence = await self._wait(subscriber, base, ticket, deadline)
             except BaseException:
                 # Leave the queue; if the turn came meanwhile, this passes it on. If Redis is
                 # unreachable the ticket's heartbeat stops and Redis skips it in time.
                 with contextlib.suppress(RedisUnavailable):
-                    await asyncio.shield(self._leave(encoded, ticket))
+                    await asyncio.shield(self._leave(base, ticket))
                 raise
             finally:
-                subscriber.forget(encoded, ticket)
+                subscriber.forget(base, ticket)
             if fence is not None:
-                return _Turn(encoded, ticket, fence)
+                return _Turn(base, ticket, fence)
 
     async def _wait(
-        self, subscriber: _Subscriber, encoded: str, ticket: str, deadline: float | None
+        self, subscriber: _Subscriber, base: str, ticket: str, deadline: float | None
     ) -> int | None:
         """The fence once ``ticket`` is granted; None if Redis forgot the ticket."""
         loop = asyncio.get_running_loop()
@@ -337,7 +335,7 @@ class RedisKeyedQueue:
             wait = self._poll
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.monotonic()))
-            granted = subscriber.expect(encoded, ticket)
+            granted = subscriber.expect(base, ticket)
             # A timer rather than asyncio.wait(): every contended turn waits here once, and
             # the timer is the cheaper of the two.
             timer = loop.call_later(wait, _time_up, granted)
@@ -347,33 +345,27 @@ class RedisKeyedQueue:
                 timer.cancel()
             if fence is not None:
                 return fence
-            subscriber.forget(encoded, ticket)
+            subscriber.forget(base, ticket)
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"timed out waiting for the turn of key {encoded!r}")
-            status, fence = await self._script(
-                self._poll_script, encoded, ticket, self._lease_ms, self._lease_ms,
-                self._channel_prefix, encoded,
-            )  # fmt: skip
+                raise TimeoutError(f"timed out waiting for the turn of {base!r}")
+            status, fence = await self._script(self._poll_script, base, ticket, self._lease_ms)
             status = status.decode() if isinstance(status, bytes) else status
             if status == "granted":
                 return int(fence)
             if status == "lost":
                 return None
 
-    async def _leave(self, encoded: str, ticket: str) -> bool:
+    async def _leave(self, base: str, ticket: str) -> bool:
         """Take ``ticket`` out of the key's queue, passing the turn on; True if it held it."""
-        held = await self._script(
-            self._release_script, encoded, ticket, self._lease_ms, self._channel_prefix, encoded
-        )
-        return bool(held)
+        return bool(await self._script(self._release_script, base, ticket, self._lease_ms))
 
     async def _release_surely(self, turn: _Turn) -> bool:
         """Release ``turn``; if cancelled meanwhile, finish the release in the background."""
         try:
-            return await self._leave(turn.encoded, turn.ticket)
+            return await self._leave(turn.base, turn.ticket)
         except asyncio.CancelledError:
             # Releasing twice is harmless: the second finds the ticket gone.
-            asyncio.get_running_loop().create_task(self._leave(turn.encoded, turn.ticket))
+            asyncio.get_running_loop().create_task(self._leave(turn.base, turn.ticket))
             raise
 
     # -- running calls --------------------------------------------------------------------
