@@ -29,10 +29,14 @@ local TICKETS, QUEUE, ALIVE = base .. ':tickets', base .. ':queue', base .. ':al
 local HOLDER, FENCE = base .. ':holder', base .. ':fence'
 
 local function grant(ticket, t, lease_ms)
-  local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local fence = math.max(tonumber(redis.call('GET', FENCE) or '0') + 1, micros)
-  local text = string.format('%.0f', fence)
-  redis.call('SET', FENCE, text)
+  -- The clock in µs is the fence unless it is not above the last one (a clock step back,
+  -- or grants within one µs): one SET ... GET in the common case instead of GET and SET.
+  local text = t[1] .. string.format('%06d', tonumber(t[2]))
+  local last = redis.call('SET', FENCE, text, 'GET')
+  if last and tonumber(last) >= tonumber(text) then
+    text = string.format('%.0f', tonumber(last) + 1)
+    redis.call('SET', FENCE, text)
+  end
   redis.call('SET', HOLDER, ticket .. ':' .. text, 'PX', lease_ms)
   return text
 end
@@ -43,13 +47,16 @@ end
 
 -- Grant the free turn to the oldest live waiter, skipping dead ones; tell it, unless it is
 -- the caller (own), who learns from the script's reply. Returns the fence granted to own.
+-- t is the TIME already read, or nil.
 local function advance(t, own, lease_ms)
-  local now = now_ms(t)
+  local now
   while true do
     local head = redis.call('LPOP', QUEUE)
     if not head then
       return nil
     end
+    t = t or redis.call('TIME')  -- read only when there is someone to grant to
+    now = now or now_ms(t)
     local alive = redis.call('ZSCORE', ALIVE, head)
     redis.call('ZREM', ALIVE, head)
     if alive and tonumber(alive) >= now then
@@ -127,13 +134,13 @@ local ticket, lease_ms = ARGV[1], tonumber(ARGV[2])
 local holder = redis.call('GET', HOLDER)
 if holds(holder, ticket) then
   redis.call('DEL', HOLDER)
-  advance(redis.call('TIME'), '', lease_ms)
+  advance(nil, '', lease_ms)
   return 1
 end
 redis.call('LREM', QUEUE, 0, ticket)
 redis.call('ZREM', ALIVE, ticket)
 if not holder then
-  advance(redis.call('TIME'), '', lease_ms)
+  advance(nil, '', lease_ms)
 end
 return 0
 """
