@@ -223,9 +223,10 @@ class RedisKeyedQueue:
     with the same ``namespace``, run one at a time: at most one holds the turn
     while leases hold. Turns are granted first come, first served in the order
     requests reach Redis (a ticket queue per key), and within one process in
-    registration order. A waiter is woken by a Redis pub/sub message within one
-    round trip of the release; a slow poll (``lease / 3``) is the fallback for a
-    lost message and the heartbeat that keeps its ticket alive.
+    registration order. A waiter is woken by a Redis pub/sub message on its
+    process's own channel within one round trip of the release; a slow poll
+    (``lease / 3``) is the fallback for a lost message and the heartbeat that
+    keeps its ticket alive. Needs Redis 6.2 or later.
 
     Each turn holds a lease of ``lease`` seconds, renewed in the background
     while the call runs. A holder that dies loses its turn when the lease
@@ -370,6 +371,24 @@ class RedisKeyedQueue:
 
     # -- running calls --------------------------------------------------------------------
 
+    async def _take(
+        self, encoded: str, deadline: float | None, task: Task
+    ) -> tuple[_Turn, _LeaseKeeper]:
+        """Acquire ``encoded``'s turn for ``task`` and keep its lease renewed."""
+        turn = await self._acquire(encoded, deadline)
+        self._held[(task, encoded)] = turn
+        return turn, _LeaseKeeper(self, turn, task)
+
+    async def _give_back(self, encoded: str, turn: _Turn, keeper: _LeaseKeeper, task: Task) -> bool:
+        """End ``task``'s turn of ``encoded``; True if its lease was lost while it ran."""
+        keeper.stop()
+        del self._held[(task, encoded)]
+        try:
+            return not await self._release_surely(turn) or turn.lost
+        except RedisUnavailable:
+            logger.warning("keyserial: could not release key %r; its lease will expire", encoded)
+            return turn.lost
+
     async def _turn(
         self,
         encoded: str,
@@ -382,9 +401,7 @@ class RedisKeyedQueue:
         turn = self._held.get((task, encoded))
         if turn is not None:  # re-entry: the outer turn holds the key
             return await fn(*args, **kwargs)
-        turn = await self._acquire(encoded, deadline)
-        self._held[(task, encoded)] = turn
-        keeper = _LeaseKeeper(self, turn, task)
+        turn, keeper = await self._take(encoded, deadline, task)
         try:
             result = await fn(*args, **kwargs)
         except asyncio.CancelledError:
@@ -394,16 +411,8 @@ class RedisKeyedQueue:
                 raise LeaseLost(encoded, turn.fence) from None
             raise
         finally:
-            keeper.stop()
-            del self._held[(task, encoded)]
-            try:
-                still_held = await self._release_surely(turn)
-            except RedisUnavailable:
-                logger.warning(
-                    "keyserial: could not release key %r; its lease will expire", encoded
-                )
-                still_held = True
-        if not still_held or turn.lost:
+            lost = await self._give_back(encoded, turn, keeper, task)
+        if lost:
             raise LeaseLost(encoded, turn.fence)
         return result
 
@@ -500,15 +509,13 @@ class _RedisLock:
         await self._local.__aenter__()
         task: Task = asyncio.current_task()  # type: ignore[assignment]
         turn = queue._held.get((task, encoded))
-        if turn is None:
+        if turn is None:  # not a re-entry: take the Redis turn for this block
             try:
-                turn = await queue._acquire(encoded, deadline)
+                turn, self._keeper = await queue._take(encoded, deadline, task)
             except BaseException:
                 await self._local.__aexit__(None, None, None)
                 raise
-            queue._held[(task, encoded)] = self._turn = turn
-            self._task = task
-            self._keeper = _LeaseKeeper(queue, turn, task)
+            self._turn, self._task = turn, task
         held = turn
         self._fence_token = enter_lock_block(sys._getframe(1), lambda: held.fence)
 
@@ -521,21 +528,14 @@ class _RedisLock:
         if self._fence_token is not None:
             exit_lock_block(self._fence_token)
             self._fence_token = None
-        turn, lost = self._turn, False
-        if turn is not None and self._task is not None:
-            if self._keeper is not None:
-                self._keeper.stop()
-            del self._queue._held[(self._task, self._encoded)]
-            try:
-                lost = not await self._queue._release_surely(turn) or turn.lost
-            except RedisUnavailable:
-                logger.warning(
-                    "keyserial: could not release key %r; its lease will expire", self._encoded
-                )
+        turn, keeper, task, lost = self._turn, self._keeper, self._task, False
+        self._turn = self._keeper = self._task = None
+        if turn is not None and keeper is not None and task is not None:
+            lost = await self._queue._give_back(self._encoded, turn, keeper, task)
         await self._local.__aexit__(exc_type, exc, tb)
-        if turn is not None and lost:
+        if turn is not None and task is not None and lost:
             if isinstance(exc, asyncio.CancelledError) and sys.version_info >= (3, 11):
-                self._task.uncancel()  # type: ignore[union-attr]
+                task.uncancel()
             raise LeaseLost(self._encoded, turn.fence)
         return False
 

@@ -146,6 +146,46 @@ async def test_reentry_and_wait_timeout(clients: Clients) -> None:
     await other.aclose()
 
 
+async def test_lock_holds_the_turn_for_a_block_across_queues(clients: Clients) -> None:
+    first = RedisKeyedQueue(clients(), namespace="t", lease=5.0)
+    second = RedisKeyedQueue(clients(), namespace="t", lease=5.0)
+    log: list[str] = []
+    release = asyncio.Event()
+    fences: list[int] = []
+
+    async def inside() -> None:
+        fences.append(current_fence())
+
+    async def hold() -> None:
+        async with first.lock("k"):
+            log.append("first in")
+            fences.append(current_fence())
+            await first.run("k", inside)  # re-entry: runs inside the block's turn
+            await release.wait()
+            log.append("first out")
+
+    async def wait_then_enter() -> None:
+        async with second.lock("k"):
+            log.append("second in")
+            fences.append(current_fence())
+
+    holder = asyncio.create_task(hold())
+    await until(lambda: log == ["first in"], "the first block holds the key")
+    waiter = asyncio.create_task(wait_then_enter())
+    with pytest.raises(TimeoutError):
+        async with second.lock("k", timeout=0.2):
+            pass
+    assert log == ["first in"]
+    release.set()
+    await asyncio.gather(holder, waiter)
+    assert log == ["first in", "first out", "second in"]
+    assert fences[0] == fences[1] < fences[2]
+    # The timed-out block left nothing behind: the key is free for an uncontended turn.
+    await asyncio.wait_for(first.run("k", inside), timeout=5)
+    await first.aclose()
+    await second.aclose()
+
+
 class Worker:
     """A worker process (tests/redis_worker.py) and its output lines."""
 
