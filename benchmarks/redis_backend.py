@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import itertools
 import multiprocessing
-import os
 import shutil
 import signal
 import socket
@@ -233,7 +232,7 @@ def main() -> int:
 
     best_other = max(throughput[name] for name in LIBRARIES[1:])
     lines = [
-        f"Environment: {environment()}, redis-server on loopback, {os.cpu_count()} CPUs",
+        f"Environment: {environment()}, redis-server on loopback",
         f"Command: `python -m benchmarks.redis_backend{' --quick' if options.quick else ''}`",
         "",
         f"### Redis backend: {calls:,} uncontended calls; {processes} processes x {turns:,} "
