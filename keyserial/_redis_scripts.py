@@ -6,13 +6,17 @@ a hash tag, so every part lives in the base's slot and the scripts also run on R
 Cluster. One name instead of five also keeps each call short: a hand-off sends two scripts,
 and redis-py's cost per call grows with every argument it encodes. Per user key:
 
-* ``<base>:tickets`` — counter handing out tickets in arrival order;
+* ``<base>:tickets`` — counter handing out tickets in arrival order (it expires an hour
+  after it was created, and starts again);
 * ``<base>:queue`` — list of waiting tickets, oldest first. A ticket is ``"<n>@<listener>"``:
   it names the grant listener of the process that waits for it, and the grant is
   published on that listener's channel ``keyserial:grants:<listener>`` alone;
 * ``<base>:alive`` — sorted set: waiting ticket -> time (ms) until which its waiter is alive;
 * ``<base>:holder`` — ``"<ticket>:<fence>"`` of the current turn, expiring with its lease;
-* ``<base>:fence`` — the last fence handed out.
+* ``<base>:fence`` — the last fence handed out, kept for an hour after it.
+
+The queue and the heartbeats disappear when empty and the holder with its lease, so an
+unused key leaves nothing in Redis after an hour.
 
 A grant message is ``"<base>|<ticket>|<fence>"``. A fence is ``max(last fence + 1,
 server time in µs)``: strictly increasing per key, and still larger than every earlier
@@ -27,15 +31,19 @@ _GRANT = """
 local base = KEYS[1]
 local TICKETS, QUEUE, ALIVE = base .. ':tickets', base .. ':queue', base .. ':alive'
 local HOLDER, FENCE = base .. ':holder', base .. ':fence'
+-- How long a key's counters outlive its last grant, so that Redis keeps nothing for keys
+-- that are no longer used. Safe to lose: a fence is never below the clock, and tickets are
+-- unique with their listener while the key is in use.
+local RETAIN_MS = 3600000
 
 local function grant(ticket, t, lease_ms)
   -- The clock in µs is the fence unless it is not above the last one (a clock step back,
   -- or grants within one µs): one SET ... GET in the common case instead of GET and SET.
   local text = t[1] .. string.format('%06d', tonumber(t[2]))
-  local last = redis.call('SET', FENCE, text, 'GET')
+  local last = redis.call('SET', FENCE, text, 'PX', RETAIN_MS, 'GET')
   if last and tonumber(last) >= tonumber(text) then
     text = string.format('%.0f', tonumber(last) + 1)
-    redis.call('SET', FENCE, text)
+    redis.call('SET', FENCE, text, 'PX', RETAIN_MS)
   end
   redis.call('SET', HOLDER, ticket .. ':' .. text, 'PX', lease_ms)
   return text
@@ -81,7 +89,11 @@ ACQUIRE = (
     _GRANT
     + """
 local lease_ms = tonumber(ARGV[1])
-local ticket = redis.call('INCR', TICKETS) .. '@' .. ARGV[2]
+local number = redis.call('INCR', TICKETS)
+if number == 1 then
+  redis.call('PEXPIRE', TICKETS, RETAIN_MS)
+end
+local ticket = number .. '@' .. ARGV[2]
 local t = redis.call('TIME')
 local held = redis.call('EXISTS', HOLDER) == 1
 if not held and redis.call('LLEN', QUEUE) == 0 then

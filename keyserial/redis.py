@@ -179,7 +179,9 @@ class _Subscriber:
         return future
 
     def forget(self, base: str, ticket: str) -> None:
+        """Stop expecting the ticket's grant; a caller that still waits polls Redis next."""
         self.waiting.pop((base, ticket), None)
+        self.early.pop((base, ticket), None)
 
     def _deliver(self, message: bytes) -> None:
         base, ticket, fence = message.decode().split("|")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import signal
 import subprocess
 import sys
@@ -182,6 +183,39 @@ async def test_lock_holds_the_turn_for_a_block_across_queues(clients: Clients) -
     assert fences[0] == fences[1] < fences[2]
     # The timed-out block left nothing behind: the key is free for an uncontended turn.
     await asyncio.wait_for(first.run("k", inside), timeout=5)
+    await first.aclose()
+    await second.aclose()
+
+
+async def _names(client: redis.Redis, pattern: str) -> list[str]:
+    return [n.decode() if isinstance(n, bytes) else n for n in await client.keys(pattern)]
+
+
+async def test_redis_keeps_only_expiring_counters_for_a_key_no_longer_used(
+    clients: Clients,
+) -> None:
+    client = clients()
+    first = RedisKeyedQueue(client, namespace="idle", lease=5.0)
+    second = RedisKeyedQueue(clients(), namespace="idle", lease=5.0)
+    rec = Recorder()
+    held = asyncio.create_task(first.run("seg", rec.step, "a"))
+    await until(lambda: "start a" in rec.log, "a holds the key")
+    waiting = asyncio.create_task(second.run("seg", rec.step, "b"))
+    queue_name = f"keyserial:{{{base64.urlsafe_b64encode(b'idle').decode().rstrip('=')}:"
+    queued = False
+    for _ in range(1000):  # until b's ticket is in the key's queue
+        queued = any(name.endswith(":queue") for name in await _names(client, queue_name + "*"))
+        if queued:
+            break
+        await asyncio.sleep(0.005)
+    assert queued
+    rec.gate("a").set()
+    rec.gate("b").set()
+    await asyncio.gather(held, waiting)
+    names = sorted(await _names(client, "keyserial:*"))
+    assert [name.rsplit(":", 1)[1] for name in names] == ["fence", "tickets"]
+    for name in names:
+        assert 0 < await client.pttl(name) <= 3_600_000
     await first.aclose()
     await second.aclose()
 
