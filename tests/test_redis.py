@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import signal
 import subprocess
 import sys
@@ -201,10 +200,10 @@ async def test_redis_keeps_only_expiring_counters_for_a_key_no_longer_used(
     held = asyncio.create_task(first.run("seg", rec.step, "a"))
     await until(lambda: "start a" in rec.log, "a holds the key")
     waiting = asyncio.create_task(second.run("seg", rec.step, "b"))
-    queue_name = f"keyserial:{{{base64.urlsafe_b64encode(b'idle').decode().rstrip('=')}:"
+    queue_name = first._base(encode_key("seg")) + ":queue"
     queued = False
     for _ in range(1000):  # until b's ticket is in the key's queue
-        queued = any(name.endswith(":queue") for name in await _names(client, queue_name + "*"))
+        queued = await _names(client, queue_name) == [queue_name]
         if queued:
             break
         await asyncio.sleep(0.005)
