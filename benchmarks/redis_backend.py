@@ -117,10 +117,13 @@ async def _uncontended(library: str, port: int, calls: int) -> float:
 
 
 def _hand_off_worker(
-    library: str, port: int, turns: int, barrier: object, shared: object, index: int
+    library: str, port: int, turns: int, barrier: object, times: object, index: int
 ) -> None:
-    """Take ``turns`` turns on one key; write their start times and the end of the last."""
-    times = shared  # turn starts of worker i at [i * turns, (i + 1) * turns), then the ends
+    """Take ``turns`` turns on one key; write their start times and the end of the last.
+
+    ``times`` is shared: worker i's turn starts go to ``[i * turns, (i + 1) * turns)``,
+    and the workers' ends to the last slots.
+    """
 
     async def main() -> None:
         async_client = redis_asyncio.Redis(port=port)
