@@ -28,6 +28,7 @@ from . import _redis_scripts as scripts
 from ._errors import LeaseLost
 from ._fence import enter_lock_block, exit_lock_block, register_turn_code
 from ._queue import KeyedSerialQueue
+from ._redis_commands import LuaScript, ScriptRunner
 
 __all__ = ["RedisKeyedQueue", "RedisUnavailable", "encode_key"]
 
@@ -198,8 +199,11 @@ class _Subscriber:
     async def _listen(self) -> None:
         backoff = 0.05
         while True:
-            pubsub = self.queue._client.pubsub()
+            client = self.queue._client
+            pubsub = client.pubsub()
             try:
+                if isinstance(client, redis_asyncio.RedisCluster):
+                    await client.initialize()  # its pub/sub needs the slot map it builds
                 await pubsub.subscribe(self.channel)
                 if not self.ready.done():
                     self.ready.set_result(None)
@@ -207,8 +211,11 @@ class _Subscriber:
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
                         self._deliver(message["data"])
-            except (RedisError, OSError):
+            except Exception as exc:
                 # Waiters fall back to polling meanwhile; subscribe again once Redis is back.
+                # Any error, not only Redis's: a listener that died would leave them polling.
+                if not isinstance(exc, (RedisError, OSError)):
+                    logger.warning("keyserial: grant listener failed; retrying", exc_info=True)
                 if not self.ready.done():
                     self.ready.set_result(None)
                 await asyncio.sleep(backoff)
@@ -241,7 +248,9 @@ class RedisKeyedQueue:
     An uncontended call costs two Redis round trips (acquire, release).
 
     Args:
-        client: a ``redis.asyncio.Redis`` client (its connection pool is shared).
+        client: a ``redis.asyncio.Redis`` client, whose pool lends the queue the
+            connections it keeps (closing the client closes them), or a
+            ``redis.asyncio.RedisCluster``.
         namespace: separates queues sharing one Redis; all processes of one
             queue must use the same one.
         lease: seconds a turn is held without renewal; the longest a dead
@@ -259,7 +268,7 @@ class RedisKeyedQueue:
 
     def __init__(
         self,
-        client: redis_asyncio.Redis,
+        client: redis_asyncio.Redis | redis_asyncio.RedisCluster,
         namespace: str,
         lease: float = 10.0,
         *,
@@ -275,10 +284,11 @@ class RedisKeyedQueue:
         self._lease_ms = max(1, int(lease * 1000))
         self._poll = lease / 3
         self._local = KeyedSerialQueue(max_pending=max_pending)
-        self._acquire_script = client.register_script(scripts.ACQUIRE)
-        self._poll_script = client.register_script(scripts.POLL)
-        self._release_script = client.register_script(scripts.RELEASE)
-        self._renew_script = client.register_script(scripts.RENEW)
+        self._scripts = ScriptRunner(client)
+        self._acquire_script = LuaScript(client, scripts.ACQUIRE)
+        self._poll_script = LuaScript(client, scripts.POLL)
+        self._release_script = LuaScript(client, scripts.RELEASE)
+        self._renew_script = LuaScript(client, scripts.RENEW)
         self._subscribers: dict[asyncio.AbstractEventLoop, _Subscriber] = {}
         self._held: dict[tuple[Task, str], _Turn] = {}
 
@@ -288,9 +298,9 @@ class RedisKeyedQueue:
         """The name the scripts derive the key's Redis keys from; its braces are a hash tag."""
         return f"keyserial:{{{self._namespace}:{encoded}}}"
 
-    async def _script(self, script: Any, base: str, *args: object) -> Any:
+    async def _script(self, script: LuaScript, base: str, *args: str | int) -> Any:
         try:
-            return await script(keys=[base], args=args)
+            return await self._scripts.call(script, base, *args)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise RedisUnavailable(f"Redis is unreachable: {exc}") from exc
         except RedisError as exc:
@@ -479,6 +489,7 @@ class RedisKeyedQueue:
             subscriber.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await subscriber.task
+        await self._scripts.close()
 
 
 class _RedisLock:

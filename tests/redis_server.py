@@ -31,10 +31,14 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """One redis-server process that a test can stop, kill, pause and restart."""
+    """One redis-server process that a test can stop, kill, pause and restart.
 
-    def __init__(self, binary: str) -> None:
+    With ``cluster=True`` it is a Redis Cluster of this one node, holding every slot.
+    """
+
+    def __init__(self, binary: str, *, cluster: bool = False) -> None:
         self.binary = binary
+        self.cluster = cluster
         self.port = free_port()
         self.directory = tempfile.mkdtemp(prefix="keyserial-redis-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -44,24 +48,35 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        cluster = []
+        if self.cluster:  # the bus port is port + 10000 unless given: pick a free one
+            cluster = ["--cluster-enabled", "yes", "--cluster-port", str(free_port())]
         self.process = subprocess.Popen(
             [
                 self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", self.directory,
+                "--save", "", "--appendonly", "no", "--dir", self.directory, *cluster,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
+        self._wait_for(b"PING\r\n", b"+PONG")
+        if self.cluster:
+            self._wait_for(b"CLUSTER ADDSLOTSRANGE 0 16383\r\n", b"+OK")
+            self._wait_for(b"CLUSTER INFO\r\n", b"cluster_state:ok", anywhere=True)
+
+    def _wait_for(self, command: bytes, answer: bytes, *, anywhere: bool = False) -> None:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
+                    sock.sendall(command)
+                    reply = sock.recv(4096)
+                    if (answer in reply) if anywhere else reply.startswith(answer):
                         return
             except OSError:
-                time.sleep(0.02)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+                pass
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server on port {self.port} never answered {command!r}")
 
     def kill(self) -> None:
         """Stop at once, losing all data (there is no persistence)."""

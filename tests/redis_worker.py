@@ -19,7 +19,8 @@ import random
 import sys
 import time
 
-import redis.asyncio as redis
+import redis
+import redis.asyncio
 
 from keyserial import LeaseLost, current_fence
 from keyserial.redis import RedisKeyedQueue, encode_key
@@ -40,7 +41,7 @@ def say(line: str) -> None:
 
 
 async def log_calls(url: str, log_path: str, seed: int, calls: int, keys: int) -> None:
-    client = redis.Redis.from_url(url)
+    client = redis.asyncio.Redis.from_url(url)
     queue = RedisKeyedQueue(client, namespace="multi", lease=5.0)
     rng = random.Random(seed)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -63,9 +64,11 @@ async def log_calls(url: str, log_path: str, seed: int, calls: int, keys: int) -
 
 
 async def hold(url: str, key: str, lease: float) -> None:
-    client = redis.Redis.from_url(url)
+    client = redis.asyncio.Redis.from_url(url)
     queue = RedisKeyedQueue(client, namespace="faults", lease=lease)
-    write = client.register_script(FENCED_WRITE)
+    # The late write is sent at once on resuming, before the event loop runs again: a stale
+    # holder whose own process has not yet noticed the loss, which only the fence can stop.
+    write = redis.Redis.from_url(url).register_script(FENCED_WRITE)
 
     async def holding() -> None:
         fence = current_fence()
@@ -73,7 +76,7 @@ async def hold(url: str, key: str, lease: float) -> None:
         # Blocks the whole process, event loop included, until the test says "write":
         # meanwhile the test can stop (SIGSTOP) or kill this process.
         sys.stdin.readline()
-        written = await write(keys=["resource"], args=[fence, f"from {os.getpid()}"])
+        written = write(keys=["resource"], args=[fence, f"from {os.getpid()}"])
         say("wrote" if written else "refused")
         await asyncio.sleep(lease * 3)  # the lease keeper notices the loss meanwhile
 
@@ -86,7 +89,7 @@ async def hold(url: str, key: str, lease: float) -> None:
 
 
 async def wait(url: str, key: str, lease: float) -> None:
-    client = redis.Redis.from_url(url)
+    client = redis.asyncio.Redis.from_url(url)
     queue = RedisKeyedQueue(client, namespace="faults", lease=lease)
 
     async def got() -> None:

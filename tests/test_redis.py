@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import redis.asyncio as redis
+from redis.exceptions import ResponseError
 
 from keyserial import LeaseLost, current_fence, serialized
+from keyserial._redis_commands import LuaScript, ScriptRunner
 from keyserial.redis import RedisKeyedQueue, RedisUnavailable, encode_key
 
-from .redis_server import RedisServer
+from .redis_server import RedisServer, redis_server_binary
 from .scheduling import Recorder
 
 pytestmark = pytest.mark.asyncio
@@ -81,21 +83,25 @@ async def test_same_key_is_serialized_across_queues_in_registration_order(
 
 
 async def test_uncontended_call_takes_two_round_trips(clients: Clients) -> None:
-    client = clients()
+    client, watcher, marker = clients(), clients(), clients()
     queue = RedisKeyedQueue(client, namespace="t", lease=5.0)
-    sent: list[str] = []
-    original = client.execute_command
-
-    async def counting(*args: object, **kwargs: object) -> object:
-        sent.append(str(args[0]))
-        return await original(*args, **kwargs)  # type: ignore[no-untyped-call]
+    await marker.ping()  # connected before watching: its HELLO is not counted
 
     async def work() -> int:
         return current_fence()
 
     await queue.run("warm-up", work)  # loads the scripts and subscribes once
-    client.execute_command = counting  # type: ignore[method-assign]
-    fences = [await queue.run(f"key-{i}", work) for i in range(10)]
+    # MONITOR shows every command the server receives; a script's own calls come as "lua".
+    async with watcher.monitor() as monitor:
+        fences = [await queue.run(f"key-{i}", work) for i in range(10)]
+        await marker.echo("end of the calls")
+        sent: list[str] = []
+        while True:
+            command = await monitor.next_command()
+            if command["command"] == "ECHO end of the calls":
+                break
+            if command["client_type"] != "lua":
+                sent.append(command["command"].split()[0])
     assert sent == ["EVALSHA"] * 20
     assert all(f > 0 for f in fences)
     await queue.aclose()
@@ -322,9 +328,8 @@ async def test_killed_waiter_is_skipped(clients: Clients, redis_server: RedisSer
                 break
             await asyncio.sleep(0.01)
         waiter.signal(signal.SIGKILL)
-        behind = asyncio.create_task(
-            RedisKeyedQueue(clients(), "faults", 0.5).run("k", rec.step, "behind")
-        )
+        other = RedisKeyedQueue(clients(), "faults", 0.5)
+        behind = asyncio.create_task(other.run("k", rec.step, "behind"))
         await asyncio.sleep(0.1)
         rec.gate("holder").set()
         await holding
@@ -335,6 +340,7 @@ async def test_killed_waiter_is_skipped(clients: Clients, redis_server: RedisSer
     finally:
         waiter.close()
     await queue.aclose()
+    await other.aclose()
 
 
 async def test_redis_restart_fails_calls_clearly_then_recovers(
@@ -415,3 +421,86 @@ async def test_redis_restart_mid_run_loses_nothing(
     assert ran[-1] == 999
     for queue in queues:
         await queue.aclose()
+
+
+async def test_a_restart_between_calls_goes_unnoticed(
+    clients: Clients, redis_server: RedisServer
+) -> None:
+    queue = RedisKeyedQueue(clients(), namespace="t", lease=1.0)
+
+    async def work() -> int:
+        return current_fence()
+
+    before = await queue.run("k", work)
+    redis_server.kill()
+    redis_server.start()  # the queue's idle connections are now stale, its scripts gone
+    assert await queue.run("k", work) > before
+    await queue.aclose()
+
+
+async def test_a_script_call_cancelled_mid_command_leaves_no_reply_behind(
+    clients: Clients,
+) -> None:
+    client, pauser = clients(), clients()
+    runner = ScriptRunner(client)
+    echo = LuaScript(client, "return ARGV[1]")
+    assert await runner.call(echo, "k", "warm-up") == b"warm-up"
+    # For a second, the server holds every client's commands (then it answers them).
+    await pauser.client_pause(1000)
+    first = asyncio.create_task(runner.call(echo, "k", "first"))
+    for _ in range(10):
+        await asyncio.sleep(0)  # sent; waiting for its reply
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    # Had the interrupted connection been reused, this call would read "first".
+    assert await runner.call(echo, "k", "second") == b"second"
+    assert await runner.call(echo, "k", "third") == b"third"
+    await runner.close()
+
+
+async def test_a_script_error_is_raised_and_the_connection_stays_usable(
+    clients: Clients,
+) -> None:
+    client = clients()
+    runner = ScriptRunner(client)
+    failing = LuaScript(client, "return redis.error_reply('refused: ' .. ARGV[1])")
+    echo = LuaScript(client, "return ARGV[1]")
+    with pytest.raises(ResponseError, match="refused: no"):
+        await runner.call(failing, "k", "no")
+    assert await runner.call(echo, "k", "yes") == b"yes"
+    queue = RedisKeyedQueue(client, namespace="t")
+    queue._acquire_script = failing  # a queue maps Redis's refusal to RedisUnavailable
+
+    async def work() -> None:
+        return None
+
+    with pytest.raises(RedisUnavailable, match="Redis refused the request: refused"):
+        await queue.run("k", work)
+    await queue.aclose()
+    await runner.close()
+
+
+async def test_works_with_a_redis_cluster_client() -> None:
+    server = RedisServer(redis_server_binary(), cluster=True)
+    server.start()
+    client = redis.RedisCluster(host="127.0.0.1", port=server.port)
+    first = RedisKeyedQueue(client, namespace="t", lease=2.0)
+    second = RedisKeyedQueue(client, namespace="t", lease=2.0)
+    rec = Recorder()
+    try:
+        a = asyncio.create_task(first.run("k", rec.step, "a"))
+        await until(lambda: rec.log == ["start a"], "the first call runs")
+        b = asyncio.create_task(second.run("k", rec.step, "b"))
+        other = asyncio.create_task(second.run("other", rec.step, "other"))
+        await until(lambda: "start other" in rec.log, "a different key runs at once")
+        assert "start b" not in rec.log
+        for name in ("a", "b", "other"):
+            rec.gate(name).set()
+        assert list(await asyncio.gather(a, b, other)) == ["a", "b", "other"]
+        assert rec.log.index("end a") < rec.log.index("start b")
+    finally:
+        await first.aclose()
+        await second.aclose()
+        await client.aclose()
+        server.close()
