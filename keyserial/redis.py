@@ -200,8 +200,9 @@ class _Subscriber:
         backoff = 0.05
         while True:
             client = self.queue._client
-            pubsub = client.pubsub()
+            pubsub = None
             try:
+                pubsub = client.pubsub()
                 if isinstance(client, redis_asyncio.RedisCluster):
                     await client.initialize()  # its pub/sub needs the slot map it builds
                 await pubsub.subscribe(self.channel)
@@ -213,7 +214,8 @@ class _Subscriber:
                         self._deliver(message["data"])
             except Exception as exc:
                 # Waiters fall back to polling meanwhile; subscribe again once Redis is back.
-                # Any error, not only Redis's: a listener that died would leave them polling.
+                # Any error, not only Redis's: a listener that stopped for good would leave
+                # every waiter to the slow poll.
                 if not isinstance(exc, (RedisError, OSError)):
                     logger.warning("keyserial: grant listener failed; retrying", exc_info=True)
                 if not self.ready.done():
@@ -221,8 +223,9 @@ class _Subscriber:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
             finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
 class RedisKeyedQueue:
@@ -258,6 +261,7 @@ class RedisKeyedQueue:
         max_pending: per-key bound on this process's running plus waiting calls.
 
     Raises:
+        TypeError: ``client`` has no pub/sub (an asyncio ``RedisCluster`` before redis-py 8).
         ValueError: ``namespace`` is empty, or ``lease`` is not > 0.
 
     Example:
@@ -274,6 +278,11 @@ class RedisKeyedQueue:
         *,
         max_pending: int | None = None,
     ) -> None:
+        if not hasattr(client, "pubsub"):
+            raise TypeError(
+                "RedisKeyedQueue needs a redis.asyncio client with pub/sub, not "
+                f"{type(client).__name__} (redis.asyncio.RedisCluster has it from redis-py 8.0)"
+            )
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
         if not lease > 0:

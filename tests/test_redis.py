@@ -367,6 +367,8 @@ async def test_bad_arguments() -> None:
         RedisKeyedQueue(client, namespace="")
     with pytest.raises(ValueError, match="lease"):
         RedisKeyedQueue(client, namespace="n", lease=0)
+    with pytest.raises(TypeError, match=r"needs a redis\.asyncio client with pub/sub, not object"):
+        RedisKeyedQueue(object(), namespace="n")  # type: ignore[arg-type]
     queue = RedisKeyedQueue(client, namespace="n")
     with pytest.raises(ValueError, match="group"):
         await queue.call("k", asyncio.sleep, (0,), {}, None, "g")
@@ -485,22 +487,30 @@ async def test_works_with_a_redis_cluster_client() -> None:
     server = RedisServer(redis_server_binary(), cluster=True)
     server.start()
     client = redis.RedisCluster(host="127.0.0.1", port=server.port)
+    try:
+        if not hasattr(client, "pubsub"):  # redis-py before 8.0: no asyncio cluster pub/sub
+            with pytest.raises(TypeError, match=r"RedisCluster has it from redis-py 8\.0"):
+                RedisKeyedQueue(client, namespace="t")
+            return
+        await _serializes_across_two_queues(client)
+    finally:
+        await client.aclose()
+        server.close()
+
+
+async def _serializes_across_two_queues(client: redis.RedisCluster) -> None:
     first = RedisKeyedQueue(client, namespace="t", lease=2.0)
     second = RedisKeyedQueue(client, namespace="t", lease=2.0)
     rec = Recorder()
-    try:
-        a = asyncio.create_task(first.run("k", rec.step, "a"))
-        await until(lambda: rec.log == ["start a"], "the first call runs")
-        b = asyncio.create_task(second.run("k", rec.step, "b"))
-        other = asyncio.create_task(second.run("other", rec.step, "other"))
-        await until(lambda: "start other" in rec.log, "a different key runs at once")
-        assert "start b" not in rec.log
-        for name in ("a", "b", "other"):
-            rec.gate(name).set()
-        assert list(await asyncio.gather(a, b, other)) == ["a", "b", "other"]
-        assert rec.log.index("end a") < rec.log.index("start b")
-    finally:
-        await first.aclose()
-        await second.aclose()
-        await client.aclose()
-        server.close()
+    a = asyncio.create_task(first.run("k", rec.step, "a"))
+    await until(lambda: rec.log == ["start a"], "the first call runs")
+    b = asyncio.create_task(second.run("k", rec.step, "b"))
+    other = asyncio.create_task(second.run("other", rec.step, "other"))
+    await until(lambda: "start other" in rec.log, "a different key runs at once")
+    assert "start b" not in rec.log
+    for name in ("a", "b", "other"):
+        rec.gate(name).set()
+    assert list(await asyncio.gather(a, b, other)) == ["a", "b", "other"]
+    assert rec.log.index("end a") < rec.log.index("start b")
+    await first.aclose()
+    await second.aclose()
