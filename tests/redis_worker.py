@@ -68,7 +68,8 @@ async def hold(url: str, key: str, lease: float) -> None:
     queue = RedisKeyedQueue(client, namespace="faults", lease=lease)
     # The late write is sent at once on resuming, before the event loop runs again: a stale
     # holder whose own process has not yet noticed the loss, which only the fence can stop.
-    write = redis.Redis.from_url(url).register_script(FENCED_WRITE)
+    writer = redis.Redis.from_url(url)
+    write = writer.register_script(FENCED_WRITE)
 
     async def holding() -> None:
         fence = current_fence()
@@ -85,7 +86,9 @@ async def hold(url: str, key: str, lease: float) -> None:
         say("finished")
     except LeaseLost:
         say("lease lost")
+    await queue.aclose()
     await client.aclose()
+    writer.close()
 
 
 async def wait(url: str, key: str, lease: float) -> None:
