@@ -41,13 +41,11 @@ def pack(*parts: bytes | str | int) -> bytes:
 class LuaScript:
     """A script's text and SHA-1, ready to be sent by :class:`ScriptRunner`."""
 
-    __slots__ = ("helper", "sha", "source")
+    __slots__ = ("sha", "source")
 
-    def __init__(self, client: Any, source: str) -> None:
+    def __init__(self, source: str) -> None:
         self.source = source
         self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
-        # redis-py's own helper, for clients whose connections are not ours to make.
-        self.helper = None if hasattr(client, "connection_pool") else client.register_script(source)
 
 
 class _IdleConnections(list[Any]):
@@ -74,13 +72,19 @@ class ScriptRunner:
     """
 
     def __init__(self, client: Any) -> None:
+        self._client = client
         self._pool: Any = getattr(client, "connection_pool", None)
         self._idle: dict[asyncio.AbstractEventLoop, _IdleConnections] = {}
+        # redis-py's own script helpers, for a client whose connections are not ours to keep.
+        self._helpers: dict[str, Any] = {}
 
     async def call(self, script: LuaScript, key: str, *args: str | int) -> Any:
         """The reply of ``script`` run with ``KEYS = [key]`` and ``ARGV = args``."""
-        if script.helper is not None:
-            return await script.helper(keys=[key], args=args)
+        if self._pool is None:
+            helper = self._helpers.get(script.sha)
+            if helper is None:
+                helper = self._helpers[script.sha] = self._client.register_script(script.source)
+            return await helper(keys=[key], args=args)
         idle = self._idle_connections()
         command = pack("EVALSHA", script.sha, 1, key, *args)
         while True:

@@ -294,10 +294,10 @@ class RedisKeyedQueue:
         self._poll = lease / 3
         self._local = KeyedSerialQueue(max_pending=max_pending)
         self._scripts = ScriptRunner(client)
-        self._acquire_script = LuaScript(client, scripts.ACQUIRE)
-        self._poll_script = LuaScript(client, scripts.POLL)
-        self._release_script = LuaScript(client, scripts.RELEASE)
-        self._renew_script = LuaScript(client, scripts.RENEW)
+        self._acquire_script = LuaScript(scripts.ACQUIRE)
+        self._poll_script = LuaScript(scripts.POLL)
+        self._release_script = LuaScript(scripts.RELEASE)
+        self._renew_script = LuaScript(scripts.RENEW)
         self._subscribers: dict[asyncio.AbstractEventLoop, _Subscriber] = {}
         self._held: dict[tuple[Task, str], _Turn] = {}
 

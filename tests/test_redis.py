@@ -433,7 +433,7 @@ async def test_a_script_call_cancelled_mid_command_leaves_no_reply_behind(
 ) -> None:
     client, pauser = clients(), clients()
     runner = ScriptRunner(client)
-    echo = LuaScript(client, "return ARGV[1]")
+    echo = LuaScript("return ARGV[1]")
     assert await runner.call(echo, "k", "warm-up") == b"warm-up"
     # For a second, the server holds every client's commands (then it answers them).
     await pauser.client_pause(1000)
@@ -454,8 +454,8 @@ async def test_a_script_error_is_raised_and_the_connection_stays_usable(
 ) -> None:
     client = clients()
     runner = ScriptRunner(client)
-    failing = LuaScript(client, "return redis.error_reply('refused: ' .. ARGV[1])")
-    echo = LuaScript(client, "return ARGV[1]")
+    failing = LuaScript("return redis.error_reply('refused: ' .. ARGV[1])")
+    echo = LuaScript("return ARGV[1]")
     with pytest.raises(ResponseError, match="refused: no"):
         await runner.call(failing, "k", "no")
     assert await runner.call(echo, "k", "yes") == b"yes"
