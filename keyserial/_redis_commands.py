@@ -18,10 +18,13 @@ import contextlib
 import hashlib
 from typing import Any
 
+from redis.asyncio import BlockingConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-#: Idle connections kept per event loop; more go back to the pool when they come back.
+#: Idle connections kept per event loop, and at most a quarter of the pool's
+#: ``max_connections``, so that the pool still serves its other users; more go back to the
+#: pool when their call ends.
 MAX_IDLE_CONNECTIONS = 32
 
 
@@ -74,6 +77,13 @@ class ScriptRunner:
     def __init__(self, client: Any) -> None:
         self._client = client
         self._pool: Any = getattr(client, "connection_pool", None)
+        if isinstance(self._pool, BlockingConnectionPool):
+            # A call waiting in such a pool for a free connection would not see one kept
+            # here: every connection goes back to the pool after its call.
+            self._max_idle = 0
+        else:
+            bound = getattr(self._pool, "max_connections", None) or MAX_IDLE_CONNECTIONS * 4
+            self._max_idle = min(MAX_IDLE_CONNECTIONS, bound // 4)
         self._idle: dict[asyncio.AbstractEventLoop, _IdleConnections] = {}
         # redis-py's own script helpers, for a client whose connections are not ours to keep.
         self._helpers: dict[str, Any] = {}
@@ -138,7 +148,7 @@ class ScriptRunner:
             await self._pool.release(idle.pop())
 
     async def _put_back(self, idle: _IdleConnections, connection: Any) -> None:
-        if idle.open and len(idle) < MAX_IDLE_CONNECTIONS:
+        if idle.open and len(idle) < self._max_idle:
             idle.append(connection)
         else:
             await self._pool.release(connection)

@@ -449,6 +449,40 @@ async def test_a_script_call_cancelled_mid_command_leaves_no_reply_behind(
     await runner.close()
 
 
+# A blocking pool makes calls beyond its size wait; a plain one refuses them, so fewer go there.
+@pytest.mark.parametrize(
+    ("blocking", "calls"), [(True, 12), (False, 6)], ids=["blocking pool", "plain pool"]
+)
+async def test_a_bounded_pool_keeps_serving_its_other_users(
+    redis_server: RedisServer, blocking: bool, calls: int
+) -> None:
+    if blocking:
+        pool: redis.ConnectionPool = redis.BlockingConnectionPool.from_url(
+            redis_server.url, max_connections=8, timeout=2
+        )
+    else:
+        pool = redis.ConnectionPool.from_url(redis_server.url, max_connections=8)
+    client = redis.Redis(connection_pool=pool)
+    queue = RedisKeyedQueue(client, namespace="t")
+    gate = asyncio.Event()
+    running: list[int] = []
+
+    async def work(i: int) -> None:
+        running.append(i)
+        await gate.wait()
+
+    tasks = [asyncio.create_task(queue.run(f"key-{i}", work, i)) for i in range(calls)]
+    await until(lambda: len(running) == calls, "every call holds its turn")
+    gate.set()
+    await asyncio.gather(*tasks)
+    # The queue keeps at most a quarter of the pool idle, and none of a blocking pool (a call
+    # waiting in it could not take one kept by the queue); the grant listener holds one.
+    free = 8 - 1 - (0 if blocking else 2)
+    assert await asyncio.gather(*(client.ping() for _ in range(free))) == [True] * free
+    await queue.aclose()
+    await client.aclose()
+
+
 async def test_a_script_error_is_raised_and_the_connection_stays_usable(
     clients: Clients,
 ) -> None:
