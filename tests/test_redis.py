@@ -481,6 +481,7 @@ async def test_a_bounded_pool_keeps_serving_its_other_users(
     assert await asyncio.gather(*(client.ping() for _ in range(free))) == [True] * free
     await queue.aclose()
     await client.aclose()
+    await pool.disconnect()  # a pool given to the client is not closed with it
 
 
 async def test_a_script_error_is_raised_and_the_connection_stays_usable(
