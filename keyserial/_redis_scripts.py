@@ -15,8 +15,9 @@ and redis-py's cost per call grows with every argument it encodes. Per user key:
 * ``<base>:holder`` — ``"<ticket>:<fence>"`` of the current turn, expiring with its lease;
 * ``<base>:fence`` — the last fence handed out, kept for an hour after it.
 
-The queue and the heartbeats disappear when empty and the holder with its lease, so an
-unused key leaves nothing in Redis after an hour.
+The queue and the heartbeats disappear when empty, or an hour after the last waiter registered
+or polled (all its waiters died), and the holder with its lease, so an unused key leaves
+nothing in Redis after an hour.
 
 A grant message is ``"<base>|<ticket>|<fence>"``. A fence is ``max(last fence + 1,
 server time in µs)``: strictly increasing per key, and still larger than every earlier
@@ -79,6 +80,13 @@ local function advance(t, own, lease_ms)
   end
 end
 
+-- The waiters' queue and heartbeats outlive the last waiter to register or poll by an hour:
+-- if every process waiting on a key dies and no one uses the key again, nothing stays.
+local function retain_waiters()
+  redis.call('PEXPIRE', QUEUE, RETAIN_MS)
+  redis.call('PEXPIRE', ALIVE, RETAIN_MS)
+end
+
 local function holds(holder, ticket)
   return holder and string.sub(holder, 1, string.len(ticket) + 1) == ticket .. ':'
 end
@@ -101,6 +109,7 @@ if not held and redis.call('LLEN', QUEUE) == 0 then
 end
 redis.call('RPUSH', QUEUE, ticket)
 redis.call('ZADD', ALIVE, now_ms(t) + lease_ms, ticket)
+retain_waiters()
 if not held then
   -- The holder's lease ran out with tickets waiting: serve them first.
   local fence = advance(t, ticket, lease_ms)
@@ -127,6 +136,7 @@ if not redis.call('LPOS', QUEUE, ticket) then
 end
 local t = redis.call('TIME')
 redis.call('ZADD', ALIVE, 'XX', now_ms(t) + lease_ms, ticket)
+retain_waiters()
 if not holder then
   local fence = advance(t, ticket, lease_ms)
   if fence then

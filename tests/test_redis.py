@@ -225,6 +225,23 @@ async def test_redis_keeps_only_expiring_counters_for_a_key_no_longer_used(
     await second.aclose()
 
 
+async def test_everything_a_key_leaves_in_redis_expires_even_if_its_processes_die(
+    clients: Clients,
+) -> None:
+    client = clients()
+    queue = RedisKeyedQueue(client, namespace="dead", lease=5.0)
+    base = queue._base(encode_key("seg"))
+    # Processes that died at once: one took the turn, one queued behind it; neither returns.
+    for listener in ("gone-1", "gone-2"):
+        await queue._script(queue._acquire_script, base, queue._lease_ms, listener)
+    names = sorted(await _names(client, "keyserial:*"))
+    parts = ["alive", "fence", "holder", "queue", "tickets"]
+    assert [name.rsplit(":", 1)[1] for name in names] == parts
+    for name in names:
+        assert 0 < await client.pttl(name) <= 3_600_000, name
+    await queue.aclose()
+
+
 class Worker:
     """A worker process (tests/redis_worker.py) and its output lines."""
 
