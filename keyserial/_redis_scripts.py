@@ -4,7 +4,7 @@ Each script is given one key name, the user key's *base* ``keyserial:{<namespace
 and derives the names of its parts from it by appending a suffix. The braces make the base
 a hash tag, so every part lives in the base's slot and the scripts also run on Redis
 Cluster. One name instead of five also keeps each call short: a hand-off sends two scripts,
-and redis-py's cost per call grows with every argument it encodes. Per user key:
+and each argument is one more to encode, send and parse. Per user key:
 
 * ``<base>:tickets`` — counter handing out tickets in arrival order (it expires an hour
   after it was created, and starts again);
