@@ -1,4 +1,4 @@
-"""Fast access to the running event loop's current task.
+"""Fast access to the running event loop's current task, and upkeep of per-loop state.
 
 ``asyncio.current_task()`` is implemented in C from Python 3.12 on. On 3.10
 and 3.11 it is a Python function that looks the running loop up again and
@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+V = TypeVar("V")
 
 TaskOf = Callable[[asyncio.AbstractEventLoop], "asyncio.Task[Any] | None"]
 
@@ -26,3 +28,9 @@ def _select_task_of() -> TaskOf:
 
 task_of: TaskOf = _select_task_of()
 get_running_loop = asyncio.get_running_loop
+
+
+def drop_closed_loops(per_loop: dict[asyncio.AbstractEventLoop, V]) -> None:
+    """Forget the entries of loops that are closed: such a loop never runs its tasks again."""
+    for closed in [loop for loop in per_loop if loop.is_closed()]:
+        del per_loop[closed]

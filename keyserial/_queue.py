@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ._deadlock import check_no_cycle
 from ._errors import DeadlockError
 from ._fence import enter_lock_block, exit_lock_block, register_turn_code
-from ._loops import get_running_loop, task_of
+from ._loops import drop_closed_loops, get_running_loop, task_of
 from ._state import (
     GRANTED,
     NEW_TASK,
@@ -164,8 +164,7 @@ class KeyedSerialQueue:
             if part is None:
                 # A closed loop never runs its tasks again: dropping its share keeps a later
                 # loop unaffected by work it left registered, and frees what it held.
-                for stale in [old for old in self._partitions if old.is_closed()]:
-                    del self._partitions[stale]
+                drop_closed_loops(self._partitions)
                 part = self._partitions[loop] = Partition(
                     loop, self._detect_deadlocks, self._count_calls
                 )

@@ -22,6 +22,8 @@ from redis.asyncio import BlockingConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
+from ._loops import drop_closed_loops
+
 #: Idle connections kept per event loop, and at most a quarter of the pool's
 #: ``max_connections``, so that the pool still serves its other users; more go back to the
 #: pool when their call ends.
@@ -133,8 +135,7 @@ class ScriptRunner:
         loop = asyncio.get_running_loop()
         idle = self._idle.get(loop)
         if idle is None:
-            for closed in [old for old in self._idle if old.is_closed()]:
-                del self._idle[closed]
+            drop_closed_loops(self._idle)
             idle = self._idle[loop] = _IdleConnections()
         return idle
 

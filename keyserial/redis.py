@@ -27,6 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import _redis_scripts as scripts
 from ._errors import LeaseLost
 from ._fence import enter_lock_block, exit_lock_block, register_turn_code
+from ._loops import drop_closed_loops
 from ._queue import KeyedSerialQueue
 from ._redis_commands import LuaScript, ScriptRunner
 
@@ -319,8 +320,7 @@ class RedisKeyedQueue:
         loop = asyncio.get_running_loop()
         subscriber = self._subscribers.get(loop)
         if subscriber is None or subscriber.task.done():
-            for stale in [old for old in self._subscribers if old.is_closed()]:
-                del self._subscribers[stale]
+            drop_closed_loops(self._subscribers)
             subscriber = self._subscribers[loop] = _Subscriber(self)
         await subscriber.ready
         return subscriber
