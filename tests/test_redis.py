@@ -192,6 +192,16 @@ async def test_lock_holds_the_turn_for_a_block_across_queues(clients: Clients) -
     await second.aclose()
 
 
+async def _until_one_ticket_waits(client: redis.Redis, queue: RedisKeyedQueue, key: str) -> None:
+    """Wait until Redis holds one waiting ticket in ``key``'s queue; fail after a while."""
+    queue_name = queue._base(encode_key(key)) + ":queue"
+    for _ in range(1000):
+        if await client.llen(queue_name) == 1:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"no ticket ever waited for {key!r}")
+
+
 async def _names(client: redis.Redis, pattern: str) -> list[str]:
     return [n.decode() if isinstance(n, bytes) else n for n in await client.keys(pattern)]
 
@@ -206,14 +216,7 @@ async def test_redis_keeps_only_expiring_counters_for_a_key_no_longer_used(
     held = asyncio.create_task(first.run("seg", rec.step, "a"))
     await until(lambda: "start a" in rec.log, "a holds the key")
     waiting = asyncio.create_task(second.run("seg", rec.step, "b"))
-    queue_name = first._base(encode_key("seg")) + ":queue"
-    queued = False
-    for _ in range(1000):  # until b's ticket is in the key's queue
-        queued = await _names(client, queue_name) == [queue_name]
-        if queued:
-            break
-        await asyncio.sleep(0.005)
-    assert queued
+    await _until_one_ticket_waits(client, first, "seg")
     rec.gate("a").set()
     rec.gate("b").set()
     await asyncio.gather(held, waiting)
@@ -339,11 +342,7 @@ async def test_killed_waiter_is_skipped(clients: Clients, redis_server: RedisSer
     waiter = Worker(redis_server.url, "wait", "k", "0.5")
     try:
         assert await waiter.line() == "waiting"
-        queue_key = f"keyserial:{{{queue._namespace}:{encode_key('k')}}}:queue"
-        for _ in range(1000):  # until the waiter's ticket is in the queue
-            if await client.llen(queue_key) == 1:
-                break
-            await asyncio.sleep(0.01)
+        await _until_one_ticket_waits(client, queue, "k")
         waiter.signal(signal.SIGKILL)
         other = RedisKeyedQueue(clients(), "faults", 0.5)
         behind = asyncio.create_task(other.run("k", rec.step, "behind"))
