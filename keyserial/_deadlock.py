@@ -1,86 +1,222 @@
 """Deadlock detection: refuse a wait that would close a cycle of tasks waiting on each other.
 
-The graph has two kinds of edges out of a task, both read from what the task
-awaits (its ``_fut_waiter``): a queue waiter names the keys it waits for (each
-leading to that key's holder), and a task is awaited directly (``await
-child_task``). A task about to wait for
-some keys closes a cycle if following those edges from the keys' holders leads
-back to it. Only calls that must wait pay for the walk, and it visits only
-tasks that are themselves blocked.
+A task about to wait for some keys closes a cycle if the holders of those keys, in the end,
+wait for it. "Wait for" has two kinds of edges:
+
+* a task waiting for a key waits for the key's holder (the queue's own records);
+* a task blocked in ``await`` waits for what it awaits — a task, or through ``gather``,
+  ``TaskGroup``, ``wait``, ``shield`` or ``wait_for`` the tasks behind them
+  (``keyserial._awaits`` reads those off asyncio's objects).
+
+``asyncio.wait`` with ``FIRST_COMPLETED`` or ``FIRST_EXCEPTION`` waits for *any* of its
+futures, so it is on a cycle only if every one still pending is. A wait with a timeout is
+treated like any other: the cycle is certain, and failing now says why.
+
+Only calls that must wait pay for the walk, and it stops at once when every holder is
+running. A holder in the middle of a step (a task created with ``eager_task_factory``
+registers while its creator still runs) cannot be judged yet: the caller re-checks once the
+creator has suspended, see :func:`check_later`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
+from ._awaits import Wait, coroutine_chain, frame_of, is_running, waits_of_future, waits_of_task
 from ._errors import DeadlockError
-
-if TYPE_CHECKING:
-    from ._state import Partition
-
+from ._records import KeyHolders, Waiter
 
 Task = asyncio.Task[Any]
 
+#: Nested any-of waits (``asyncio.wait(..., FIRST_COMPLETED)``) followed at most this deep.
+_MAX_ANY_DEPTH = 4
 
-def _waits_on_something(part: Partition, holder: Task) -> bool:
-    return bool(part.waiting_for(holder)) or isinstance(
-        getattr(holder, "_fut_waiter", None), asyncio.Task
-    )
+#: Returned by :func:`find_cycle` when a task on the way is in the middle of a step.
+UNDECIDED = "undecided"
 
-
-def check_no_cycle(part: Partition, task: Task, keys: Sequence[Hashable]) -> None:
-    """Raise DeadlockError if ``task`` waiting for ``keys`` would wait, in the end, on itself."""
-    holders = [part.holding_task(key) for key in keys]
-    # The common case: every holder is running, not waiting on anything; no walk needed.
-    if not any(h is not None and _waits_on_something(part, h) for h in holders):
-        return
-    # Each visited task maps to (the task it was reached from, the key between them or None
-    # for an awaited task), so that the cycle can be named.
-    reached: dict[Task, tuple[Task | None, Hashable | None]] = {}
-    frontier: list[tuple[Task | None, Task | None, Hashable | None]] = [
-        (task, holder, key) for holder, key in zip(holders, keys, strict=True)
-    ]
-    while frontier:
-        source, holder, key = frontier.pop()
-        if holder is None or holder in reached:
-            continue
-        reached[holder] = (source, key)
-        if holder is task:
-            raise _describe(task, reached)
-        for wanted in part.waiting_for(holder):
-            frontier.append((holder, part.holding_task(wanted), wanted))
-        awaited = getattr(holder, "_fut_waiter", None)
-        if isinstance(awaited, asyncio.Task):
-            frontier.append((holder, awaited, None))
+#: Code objects of keyserial's own coroutines that run a caller's function ``fn``; a task
+#: running one is named after that function in messages.
+_entry_codes: set[Any] = set()
 
 
-def _describe(
-    task: Task, reached: dict[Task, tuple[Task | None, Hashable | None]]
-) -> DeadlockError:
-    steps: list[tuple[Task, Hashable | None]] = []
-    current: Task | None = task
-    source, key = reached[task]
-    # Walk back from the task to itself, collecting (waiting task, key) edges.
-    while True:
-        assert source is not None
-        steps.append((source, key))
-        if source is task:
-            break
-        current = source
-        source, key = reached[current]
-    steps.reverse()
-    tasks = [waiter for waiter, _ in steps]
-    keys = [key for _, key in steps if key is not None]
-    parts = []
-    for index, (waiter, edge_key) in enumerate(steps):
-        target = tasks[(index + 1) % len(tasks)]
-        if edge_key is None:
-            parts.append(f"task {waiter.get_name()!r} awaits task {target.get_name()!r}")
+def register_entry_code(code: Any) -> None:
+    """Name tasks whose coroutine runs ``code`` after the ``fn`` it calls."""
+    _entry_codes.add(code)
+
+
+Label = tuple[str, Any]  # ("key", key) or ("await", how), or ("", None) for no label
+
+
+class _Search:
+    """A depth-first search for a path of waits from some task to ``target``."""
+
+    def __init__(self, target: Task, depth: int = 0) -> None:
+        self.target = target
+        self.depth = depth
+        self.undecided = False
+
+    def path(self, start: Any) -> list[tuple[Any, Label]] | None:
+        """``[(node, label of the edge into it), ...]`` from ``start`` to the target, or None."""
+        parents: dict[int, tuple[Any, Any, Label]] = {id(start): (start, None, ("", None))}
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            if node is self.target:
+                steps: list[tuple[Any, Label]] = []
+                current: Any = node
+                while current is not None:
+                    here, previous, label = parents[id(current)]
+                    steps.append((here, label))
+                    current = previous
+                steps.reverse()
+                return steps
+            for child, label in self._edges(node):
+                if id(child) not in parents:
+                    parents[id(child)] = (child, node, label)
+                    stack.append(child)
+        return None
+
+    def _edges(self, node: Any) -> list[tuple[Any, Label]]:
+        if isinstance(node, asyncio.Future) and node.done():
+            return []
+        if type(node) is Waiter:
+            edges: list[tuple[Any, Label]] = []
+            for key in node.keys:
+                holder = node.part.holding_task(key)
+                if holder is not None:
+                    edges.append((holder, ("key", key)))
+            return edges
+        wait: Wait | None
+        if isinstance(node, asyncio.Task):
+            awaited = getattr(node, "_fut_waiter", None)
+            if type(awaited) is Waiter:
+                return [(awaited, ("", None))]
+            wait = waits_of_task(node)
+            if wait is None and node is not self.target and is_running(node):
+                self.undecided = True
         else:
-            parts.append(
-                f"task {waiter.get_name()!r} waits for key {edge_key!r} "
-                f"held by task {target.get_name()!r}"
-            )
-    return DeadlockError("deadlock: " + "; ".join(parts), keys=keys, tasks=tasks)
+            wait = waits_of_future(node)
+        if wait is None:
+            return []
+        return self._follow(wait)
+
+    def _follow(self, wait: Wait) -> list[tuple[Any, Label]]:
+        label: Label = ("await", wait.via)
+        if wait.every:
+            return [(item, label) for item in wait.on]
+        pending = [item for item in wait.on if not (hasattr(item, "done") and item.done())]
+        if not pending or self.depth >= _MAX_ANY_DEPTH:
+            return []
+        for item in pending:
+            search = _Search(self.target, self.depth + 1)
+            found = search.path(item) is not None
+            self.undecided |= search.undecided
+            if not found:
+                return []
+        return [(pending[0], label)]
+
+
+def find_cycle(
+    part: KeyHolders, task: Task, keys: Sequence[Hashable]
+) -> DeadlockError | str | None:
+    """The cycle ``task`` would close by waiting for ``keys``: an error, UNDECIDED or None."""
+    search = _Search(task)
+    for key in keys:
+        holder = part.holding_task(key)
+        if holder is None:
+            continue
+        steps = search.path(holder)
+        if steps is not None:
+            return _describe(task, key, steps)
+    return UNDECIDED if search.undecided else None
+
+
+def may_wait_on_someone(holder: Task) -> bool:
+    """Whether ``holder`` is blocked or mid-step; a holder that is neither closes no cycle."""
+    return getattr(holder, "_fut_waiter", None) is not None or is_running(holder)
+
+
+def check_no_cycle(part: KeyHolders, task: Task, keys: Sequence[Hashable]) -> bool:
+    """Raise DeadlockError if ``task`` waiting for ``keys`` would wait on itself.
+
+    Returns True if the answer must wait until the tasks mid-step have suspended (then
+    the caller re-checks with :func:`check_later`).
+    """
+    holders = [part.holding_task(key) for key in keys]
+    if not any(h is not None and h is not task and may_wait_on_someone(h) for h in holders):
+        return False
+    found = find_cycle(part, task, keys)
+    if isinstance(found, DeadlockError):
+        raise found
+    return found == UNDECIDED
+
+
+def check_later(
+    part: KeyHolders,
+    task: Task,
+    keys: Sequence[Hashable],
+    waiting: asyncio.Future[Any],
+    fail: Callable[[DeadlockError], None],
+) -> None:
+    """Check again on the next loop iteration, and ``fail`` the wait if it closes a cycle.
+
+    By then every task that was mid-step has finished that step and is blocked where it
+    will stay, so the answer is final.
+    """
+
+    def recheck() -> None:
+        if waiting.done():
+            return
+        found = find_cycle(part, task, keys)
+        if isinstance(found, DeadlockError):
+            fail(found)
+
+    waiting.get_loop().call_soon(recheck)
+
+
+def describe_task(task: Task) -> str:
+    """``function (task 'name')``: what the task runs, by the function the caller wrote."""
+    return f"{_function_of(task)} (task {task.get_name()!r})"
+
+
+def _function_of(task: Task) -> str:
+    """The function the task runs now: that of its innermost turn, else its coroutine's."""
+    chain = list(coroutine_chain(task))
+    for coro in reversed(chain):
+        frame = frame_of(coro)
+        if frame is not None and frame.f_code in _entry_codes:
+            name = getattr(frame.f_locals.get("fn"), "__qualname__", None)
+            if isinstance(name, str):
+                return name
+    return str(getattr(chain[0], "__qualname__", type(chain[0]).__name__)) if chain else "?"
+
+
+def _describe(task: Task, key: Hashable, steps: list[tuple[Any, Label]]) -> DeadlockError:
+    """Name the cycle: ``task`` waits for ``key``, whose holder is ``steps[0]``, back to ``task``.
+
+    Futures between two tasks (a gather's, a shield's, a key's waiter) are folded into the
+    edge that crosses them.
+    """
+    tasks: list[Task] = [task]
+    keys: list[Hashable] = [key]
+    edges: list[str] = []
+    source: Task = task
+    edge: Label = ("key", key)
+    for node, label in steps:
+        if label[0] == "key" or (label[0] == "await" and edge[0] != "key"):
+            edge = label
+        if not isinstance(node, asyncio.Task):
+            continue
+        if edge[0] == "key":
+            if node is not steps[0][0]:
+                keys.append(edge[1])
+            text = f"waits for key {edge[1]!r} held by"
+        else:
+            text = "awaits" if edge[1] in (None, "awaits") else f"awaits, through {edge[1]},"
+        edges.append(f"{describe_task(source)} {text} {describe_task(node)}")
+        if node is not task:
+            tasks.append(node)
+        source, edge = node, ("", None)
+    return DeadlockError("deadlock: " + "; ".join(edges), keys=keys, tasks=tasks)

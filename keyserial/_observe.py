@@ -78,7 +78,7 @@ def _name(fn: Callable[..., Any]) -> str:
 class _Watch:
     """One call being watched, from registration to finish."""
 
-    __slots__ = ("function", "key", "loop", "queue", "registered", "started", "timer")
+    __slots__ = ("finished", "function", "key", "loop", "queue", "registered", "started", "timer")
 
     def __init__(self, queue: ObservedQueue, key: Hashable, function: str) -> None:
         self.queue = queue
@@ -87,6 +87,7 @@ class _Watch:
         self.registered = time.monotonic()
         self.started: float | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.finished = False
         self.loop = asyncio.get_running_loop()
         queue._notify("on_register", key, self.function)
 
@@ -98,6 +99,9 @@ class _Watch:
         self.queue._notify("on_start", self.key, self.function, now - self.registered)
 
     def finish(self, exc: BaseException | None) -> None:
+        if self.finished:
+            return
+        self.finished = True
         if self.timer is not None:
             self.timer.cancel()
         now = time.monotonic()
@@ -126,6 +130,21 @@ class _Watch:
         """Run ``fn`` as the watched call's turn."""
         self.start()
         return await fn(*args, **kwargs)
+
+    async def run_and_finish(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` as the watched call's turn, and report its end before the turn ends.
+
+        For ``submit``: the caller awaiting the task then resumes after ``on_finish``, even
+        when the task ran eagerly and finished inside ``create_task``.
+        """
+        self.start()
+        try:
+            result = await fn(*args, **kwargs)
+        except BaseException as exc:
+            self.finish(exc)
+            raise
+        self.finish(None)
+        return result
 
     async def watch(self, call: Awaitable[T]) -> T:
         """Await ``call``, the whole watched call, and report how it finished."""
@@ -194,10 +213,12 @@ class ObservedQueue(KeyedSerialQueue):
     ) -> asyncio.Task[T]:
         watch = _Watch(self, key, _name(fn))
         try:
-            task = super().submit(key, watch.run, fn, *args, **kwargs)
+            task = super().submit(key, watch.run_and_finish, fn, *args, **kwargs)
         except BaseException as exc:
             watch.finish(exc)
             raise
+        # A task that ends before its turn (cancelled while waiting) never runs
+        # run_and_finish's report: this callback reports it.
         task.add_done_callback(
             lambda done: watch.finish(
                 asyncio.CancelledError() if done.cancelled() else done.exception()

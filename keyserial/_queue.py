@@ -11,7 +11,7 @@ from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._deadlock import check_no_cycle
+from ._deadlock import check_later, check_no_cycle, register_entry_code
 from ._errors import DeadlockError
 from ._fence import enter_lock_block, exit_lock_block, register_turn_code
 from ._loops import drop_closed_loops, get_running_loop, task_of
@@ -24,6 +24,7 @@ from ._state import (
     Waiter,
     closed_error,
     granted_waiter,
+    key_error,
 )
 from ._stats import QueueStats, snapshot
 
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 Task = asyncio.Task[Any]
-
-
-def _unhashable(key: object) -> TypeError:
-    return TypeError(f"keyserial keys must be hashable, got {type(key).__name__}: {key!r}")
 
 
 def _outside_task() -> RuntimeError:
@@ -234,8 +231,8 @@ class KeyedSerialQueue:
             raise _outside_task()
         try:
             holder = part.get(key)
-        except TypeError:
-            raise _unhashable(key) from None
+        except Exception as exc:
+            raise key_error(key, exc) from exc
         if holder is None:
             if part.closed:
                 raise closed_error(key)
@@ -258,7 +255,10 @@ class KeyedSerialQueue:
             part.count_failure(exc)
             raise
         finally:
-            held = part.pop(key)
+            try:
+                held = part.pop(key)
+            except Exception as exc:  # the key broke during the turn: never leave it stuck
+                raise part.remove_broken(key, exc) from exc
             if held is not task or part.attention:
                 part.end_turn(key, held, task)
 
@@ -307,8 +307,8 @@ class KeyedSerialQueue:
             raise _outside_task()
         try:
             holder = part.get(key)
-        except TypeError:
-            raise _unhashable(key) from None
+        except Exception as exc:
+            raise key_error(key, exc) from exc
         if holder is None:
             if part.closed:
                 raise closed_error(key)
@@ -331,7 +331,10 @@ class KeyedSerialQueue:
             part.count_failure(exc)
             raise
         finally:
-            held = part.pop(key)
+            try:
+                held = part.pop(key)
+            except Exception as exc:  # the key broke during the turn: never leave it stuck
+                raise part.remove_broken(key, exc) from exc
             if held is not task or part.attention:
                 part.end_turn(key, held, task)
 
@@ -371,8 +374,8 @@ class KeyedSerialQueue:
             raise closed_error(key)
         try:
             holder = part.get(key)
-        except TypeError:
-            raise _unhashable(key) from None
+        except Exception as exc:
+            raise key_error(key, exc) from exc
         if holder is None:
             # The task may start eagerly inside create_task, so the turn is reserved first.
             part[key] = KeyState(GRANTED)
@@ -425,8 +428,8 @@ class KeyedSerialQueue:
         for key in keys:
             try:
                 unique[key] = None
-            except TypeError:
-                raise _unhashable(key) from None
+            except Exception as exc:
+                raise key_error(key, exc) from exc
         if not unique:
             raise ValueError("a multi-key call needs at least one key")
         return part, task, tuple(unique)
@@ -519,7 +522,10 @@ class KeyedSerialQueue:
             >>> KeyedSerialQueue().pending("nobody")
             0
         """
-        return self._inspected().pending_of(key)
+        try:
+            return self._inspected().pending_of(key)
+        except Exception as exc:
+            raise key_error(key, exc) from exc
 
     def locked(self, key: Hashable) -> bool:
         """Whether ``key``'s turn is currently held (granted to a call).
@@ -529,7 +535,10 @@ class KeyedSerialQueue:
             >>> KeyedSerialQueue().locked("nobody")
             False
         """
-        return self._inspected().holder_of(key) is not None
+        try:
+            return self._inspected().holder_of(key) is not None
+        except Exception as exc:
+            raise key_error(key, exc) from exc
 
     def stats(self) -> QueueStats:
         """An immutable snapshot of the running loop's share: current load and cumulative counts.
@@ -562,8 +571,8 @@ class KeyedSerialQueue:
         """Whether ``key`` has registered work in the running loop's share."""
         try:
             return key in self._inspected()
-        except TypeError:
-            return False
+        except Exception:
+            return False  # a key that cannot be hashed or compared has no work registered
 
     @property
     def closed(self) -> bool:
@@ -592,7 +601,11 @@ class KeyedSerialQueue:
         idle: asyncio.Future[None] = part.loop.create_future()  # type: ignore[union-attr]
         part.idle_waiters.append(idle)
         part.attention = True
-        await idle
+        try:
+            await idle
+        finally:
+            if not idle.done():  # cancelled or timed out: leave nothing behind
+                part.forget_idle_waiter(idle)
 
     async def aclose(self) -> None:
         """Refuse new work with :class:`QueueClosed`, then wait for the registered work to finish.
@@ -638,15 +651,19 @@ class _Submission:
     ) -> T:
         self.started = True
         queue, part, key = self.queue, self.part, self.key
-        if not self.waiter.done() and part.detect_deadlocks:
+        waiter = self.waiter
+        if not waiter.done() and part.detect_deadlocks:
             # Checked now rather than in submit(): by its first step, a holder that submitted
             # this task may already be awaiting it, which is a cycle.
+            task: Task = asyncio.current_task()  # type: ignore[assignment]
             try:
-                check_no_cycle(part, asyncio.current_task(), (key,))  # type: ignore[arg-type]
+                recheck = check_no_cycle(part, task, (key,))
             except DeadlockError:
-                part.give_up(key, self.waiter)
+                part.give_up(key, waiter)
                 raise
-        await queue._await_turn(part, key, self.waiter)
+            if recheck:
+                check_later(part, task, (key,), waiter, waiter.set_result)
+        await queue._await_turn(part, key, waiter)
         error: BaseException | None = None
         try:
             return await fn(*args, **kwargs)
@@ -655,7 +672,11 @@ class _Submission:
             raise
         finally:
             part.count_end(error)
-            part.release(key, part[key])  # type: ignore[arg-type]
+            try:
+                state = part[key]
+            except Exception as exc:  # the key broke during the turn: never leave it stuck
+                raise part.remove_broken(key, exc) from exc
+            part.release(key, state)  # type: ignore[arg-type]
 
     def withdraw_if_unstarted(self, task: asyncio.Task[Any]) -> None:
         # A task cancelled before its first step never runs execute()'s cleanup.
@@ -686,8 +707,8 @@ class _KeyLock:
         part, task = queue._here()
         try:
             holder = part.get(key)
-        except TypeError:
-            raise _unhashable(key) from None
+        except Exception as exc:
+            raise key_error(key, exc) from exc
         if holder is None:
             if part.closed:
                 raise closed_error(key)
@@ -769,3 +790,11 @@ register_turn_code(KeyedSerialQueue.run.__code__, _single_key_fence)
 register_turn_code(KeyedSerialQueue.call.__code__, _single_key_fence)
 register_turn_code(_Submission.execute.__code__, _single_key_fence)
 register_turn_code(KeyedSerialQueue.run_all.__code__, _multi_key_fence)
+
+for _code in (
+    KeyedSerialQueue.run.__code__,
+    KeyedSerialQueue.call.__code__,
+    KeyedSerialQueue.run_all.__code__,
+    _Submission.execute.__code__,
+):
+    register_entry_code(_code)

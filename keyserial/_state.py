@@ -10,38 +10,26 @@ last registered call is gone. A waiter is a future (one key) or a ``MultiTurn``
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
-from ._deadlock import check_no_cycle
+from ._awaits import is_running
+from ._deadlock import check_later, check_no_cycle
 from ._errors import QueueClosed, QueueFull, Superseded
+from ._records import GRANTED, NEW_TASK, KeyState, MultiTurn, Waiter
 
 Task = asyncio.Task[Any]
 
-#: ``KeyState.holder`` while the turn has been handed to a single-key waiter that has not
-#: resumed yet.
-GRANTED = object()
-#: The owner passed for ``submit``: its task does not exist yet, so it holds nothing.
-NEW_TASK = object()
 #: Dead waiters (cancelled or timed out) are dropped lazily; the deque is rebuilt once
 #: they outnumber the live ones by this much, so cancelling many stays linear.
 COMPACT_SLACK = 32
+#: Only Python 3.12 and later start tasks eagerly (``eager_task_factory``).
+_EAGER_TASKS = sys.version_info >= (3, 12)
 
-
-class Waiter(asyncio.Future):  # type: ignore[type-arg]
-    """What a waiting call awaits: True once granted, False on timeout, None if superseded.
-
-    It also says what it waits for: the deadlock check follows a blocked task's
-    ``_fut_waiter`` to it, so waiting costs no extra bookkeeping.
-    """
-
-    __slots__ = ("keys", "part", "since", "timer")
-    since: float  # when the call registered
-    part: Partition  # whose keys
-    keys: tuple[Hashable, ...]  # the keys it waits for
-    timer: asyncio.TimerHandle | None  # bounds the wait, if it has a timeout
+__all__ = ["GRANTED", "NEW_TASK", "KeyState", "MultiTurn", "Partition", "Waiter"]
 
 
 def new_waiter(part: Partition, keys: tuple[Hashable, ...]) -> Waiter:
@@ -60,38 +48,6 @@ def granted_waiter(part: Partition, key: Hashable) -> Waiter:
     return waiter
 
 
-class MultiTurn:
-    """A call waiting for several keys; it runs once it holds all of them."""
-
-    __slots__ = ("future", "missing", "since", "task")
-
-    def __init__(self, future: asyncio.Future[bool | None], task: Task) -> None:
-        self.future = future
-        self.task = task
-        self.missing = 0  # keys still to be handed to it
-        self.since = time.monotonic()
-
-
-class KeyState:
-    """A key that saw contention during its current busy period."""
-
-    __slots__ = ("holder", "latest", "pending", "since", "waiters")
-
-    def __init__(self, holder: object) -> None:
-        # The running task, GRANTED, a MultiTurn collecting its keys, or None when the turn
-        # is free and only dead waiters (not yet resumed) keep the state alive.
-        self.holder = holder
-        # Running plus waiting calls, counting dead waiters that have not resumed yet.
-        self.pending = 1
-        # Waiters in registration order; a done future marks a dead one, skipped on hand-off.
-        self.waiters: deque[asyncio.Future[bool | None] | MultiTurn] = deque()
-        # The waiting call of each coalescing group, which the group's next call supersedes.
-        self.latest: dict[Hashable, asyncio.Future[bool | None]] | None = None
-        # When the current turn started; for a turn that began uncontended, when the first
-        # call queued behind it (the turn is at least that old).
-        self.since = time.monotonic()
-
-
 class MultiRegistration(NamedTuple):
     """A multi-key call: the keys it had to acquire (not those it already held)."""
 
@@ -100,16 +56,63 @@ class MultiRegistration(NamedTuple):
     timer: asyncio.TimerHandle | None
 
 
+class BrokenKeyError(TypeError):
+    """A registered key whose hash or equality failed; the calls waiting for it are refused."""
+
+
+def _pop_identical(entries: dict[Any, Any], key: object) -> Any:
+    """Remove the entry whose key *is* ``key`` without comparing it to any other key.
+
+    ``popitem`` takes the newest entry without a lookup; the entries taken before ours
+    are put back (they compared fine with each other when they were first inserted).
+    """
+    if not any(present is key for present in entries):
+        return None
+    taken: list[tuple[Any, Any]] = []
+    try:
+        while True:
+            present, value = entries.popitem()
+            if present is key:
+                return value
+            taken.append((present, value))
+    finally:
+        for present, value in reversed(taken):
+            entries[present] = value
+
+
 def closed_error(key: Hashable) -> QueueClosed:
     return QueueClosed(f"queue is closed; cannot register key {key!r}")
 
 
-def _expire(future: asyncio.Future[bool | None]) -> None:
+def _expire(future: asyncio.Future[Any]) -> None:
     if not future.done():
         future.set_result(False)
 
 
-def _dead(waiter: asyncio.Future[bool | None] | MultiTurn) -> bool:
+def _refused_for_broken_key(waiter: Waiter) -> bool:
+    return waiter.done() and not waiter.cancelled() and type(waiter.result()) is BrokenKeyError
+
+
+def safe_repr(key: object) -> str:
+    """``repr(key)``, or a description of it when its ``__repr__`` fails too."""
+    try:
+        return repr(key)
+    except Exception:
+        return f"<{type(key).__name__} object>"
+
+
+def key_error(key: object, error: Exception) -> TypeError:
+    """The error for a key that cannot be hashed or compared, for every method that takes one."""
+    if isinstance(error, TypeError) and "unhashable" in str(error):
+        return TypeError(
+            f"keyserial keys must be hashable, got {type(key).__name__}: {safe_repr(key)}"
+        )
+    return TypeError(
+        f"keyserial keys must be hashable and comparable; {safe_repr(key)} raised {error!r}"
+    )
+
+
+def _dead(waiter: Waiter | MultiTurn) -> bool:
     return (waiter.future if type(waiter) is MultiTurn else waiter).done()  # type: ignore[union-attr]
 
 
@@ -181,6 +184,11 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         del self[key]
         if not self and self.idle_waiters:
             self.wake_idle()
+
+    def forget_idle_waiter(self, idle: asyncio.Future[None]) -> None:
+        """A ``join()`` stopped waiting (cancelled, timed out): drop its future."""
+        self.idle_waiters = [waiter for waiter in self.idle_waiters if waiter is not idle]
+        self._update_attention()
 
     def wake_idle(self) -> None:
         waiters, self.idle_waiters = self.idle_waiters, []
@@ -269,13 +277,14 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         if max_pending is not None and pending - (replaced is not None) >= max_pending:
             self.rejected += 1
             raise QueueFull(key, max_pending)
-        detect = holder is not None and owner is not NEW_TASK and self.detect_deadlocks
-        if detect:
+        recheck = False
+        if holder is not None and owner is not NEW_TASK and self.detect_deadlocks:
             # Walk only if the holder itself waits on something: usually it is running.
             blocking = holder.task if type(holder) is MultiTurn else holder
-            awaited = getattr(blocking, "_fut_waiter", None)
-            if type(awaited) is Waiter or isinstance(awaited, asyncio.Task):
-                check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
+            if getattr(blocking, "_fut_waiter", None) is not None or (
+                _EAGER_TASKS and isinstance(blocking, asyncio.Task) and is_running(blocking)
+            ):
+                recheck = check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
         state = self._contended(key, held)
         state.pending += 1
         if state.holder is None:
@@ -293,6 +302,8 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             state.latest[group] = waiter
         if timeout is not None:
             waiter.timer = self.loop.call_later(timeout, _expire, waiter)  # type: ignore[union-attr]
+        if recheck:
+            check_later(self, owner, (key,), waiter, waiter.set_result)  # type: ignore[arg-type]
         return waiter
 
     def give_up(self, key: Hashable, waiter: Waiter) -> None:
@@ -300,17 +311,47 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         self.cancelled += 1
         if waiter.timer is not None:
             waiter.timer.cancel()
+        if _refused_for_broken_key(waiter):
+            return  # the key's entry is gone already
         self.abandon(key, self[key], waiter)  # type: ignore[arg-type]
+
+    def remove_broken(self, key: Hashable, error: BaseException) -> BrokenKeyError:
+        """Drop ``key``, whose hash or equality just failed, and refuse the calls waiting for it.
+
+        A key that cannot be looked up any more cannot be handed on either: rather than
+        stay registered for ever, its entry is removed by identity and every waiting call
+        gets the error that the caller here gets.
+        """
+        broken = BrokenKeyError(
+            f"keyserial key {safe_repr(key)} failed to hash or compare while registered "
+            f"({error!r}); its turn ended and the calls waiting for it were refused"
+        )
+        held = _pop_identical(self, key)
+        if self.fences:
+            self.fences = {k: v for k, v in self.fences.items() if k is not key}
+            self._update_attention()
+        if type(held) is KeyState:
+            for waiter in held.waiters:
+                future = waiter.future if type(waiter) is MultiTurn else waiter
+                if not future.done():  # type: ignore[union-attr]
+                    future.set_result(broken)  # type: ignore[union-attr]
+        if not self and self.idle_waiters:
+            self.wake_idle()
+        return broken
 
     def take_turn(self, key: Hashable, waiter: Waiter, task: Task) -> None:
         """The wait ended: take the turn, or raise TimeoutError if the timer ended it."""
         if waiter.timer is not None:
             waiter.timer.cancel()
+        if (outcome := waiter.result()) is not True and type(outcome) is BrokenKeyError:
+            raise outcome
         state: KeyState = self[key]  # type: ignore[assignment]
-        if (outcome := waiter.result()) is not True:
+        if outcome is not True:
             self.abandon(key, state, waiter)
             if outcome is None:
                 raise Superseded(key)
+            if isinstance(outcome, BaseException):
+                raise outcome  # refused after registering: see check_later
             self.timed_out += 1
             raise TimeoutError(f"timed out waiting for the turn of key {key!r}")
         state.holder = task
@@ -369,7 +410,10 @@ class Partition(dict[Hashable, "Task | KeyState"]):
 
     def leave(self, key: Hashable, task: Task) -> None:
         """End ``task``'s turn of ``key``."""
-        held = self.pop(key)
+        try:
+            held = self.pop(key)
+        except Exception as exc:
+            raise self.remove_broken(key, exc) from exc
         if held is not task or self.attention:
             self.after_turn(key, held, task)
 
@@ -419,8 +463,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
                 self.rejected += 1
                 raise QueueFull(key, max_pending)
         busy = tuple(key for key in needed if self.holder_of(key) is not None)
-        if busy and self.detect_deadlocks:
-            check_no_cycle(self, task, busy)
+        recheck = bool(busy) and self.detect_deadlocks and check_no_cycle(self, task, busy)
         loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
         turn = MultiTurn(new_waiter(self, busy), task)
         for key in needed:
@@ -440,6 +483,8 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         timer = None
         if timeout is not None and turn.missing:
             timer = loop.call_later(timeout, _expire, turn.future)
+        if recheck and turn.missing:
+            check_later(self, task, busy, turn.future, turn.future.set_result)
         return MultiRegistration(turn, needed, timer)
 
     def take_all(self, registration: MultiRegistration) -> None:
@@ -449,9 +494,11 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             return
         if timer is not None:
             timer.cancel()
-        if turn.future.result() is not True:
+        if (outcome := turn.future.result()) is not True:
             self.give_up_all(registration)
-            self.cancelled -= 1  # counted by give_up_all, but this was a timeout
+            self.cancelled -= 1  # counted by give_up_all, but it was not cancelled
+            if isinstance(outcome, BaseException):
+                raise outcome  # refused after registering: see check_later
             self.timed_out += 1
             raise TimeoutError(f"timed out waiting for the turns of keys {list(keys)!r}")
         now = time.monotonic()
@@ -472,7 +519,12 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         if not turn.future.done():
             turn.future.cancel()
         for key in keys:
-            state: KeyState = self[key]  # type: ignore[assignment]
+            try:
+                state = self.get(key)
+            except Exception:
+                continue  # a broken key, removed with its waiters already
+            if type(state) is not KeyState:
+                continue
             if state.holder is turn or state.holder is turn.task:
                 self.release(key, state)
             else:

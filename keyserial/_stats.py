@@ -68,7 +68,7 @@ def snapshot(part: Partition, now: float) -> QueueStats:
             waiters.add(id(waiter))
             if first:  # FIFO: the first live waiter of a key has waited longest
                 first = False
-                waited = now - waiter.since  # type: ignore[union-attr]
+                waited = now - waiter.since
                 if longest_wait is None or waited > longest_wait[1]:
                     longest_wait = (key, waited)
     running = len(holders)

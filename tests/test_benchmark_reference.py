@@ -10,28 +10,17 @@ import textwrap
 from types import FrameType
 from typing import Any
 
-from benchmarks.reference import UncountedQueue
+from benchmarks.reference import UncountedQueue, uncounted_run_source
 from keyserial import KeyedSerialQueue
 
 
-def _statements(method: object) -> list[str]:
-    """The method's code, normalised (no docstring, no comments, one formatting)."""
-    function = ast.parse(textwrap.dedent(inspect.getsource(method))).body[0]  # type: ignore[arg-type]
-    assert isinstance(function, ast.AsyncFunctionDef)
-    if ast.get_docstring(function) is not None:
-        function.body = function.body[1:]
-    return ast.unparse(function).splitlines()
-
-
 def test_reference_run_is_run_without_the_counting_lines() -> None:
-    real, reference = _statements(KeyedSerialQueue.run), _statements(UncountedQueue.run)
-    counting = [
-        "    except BaseException as exc:",
-        "        part.count_failure(exc)",
-        "        raise",
-    ]
-    start = real.index(counting[0])
-    assert real[start : start + 3] == counting
+    source = textwrap.dedent(inspect.getsource(KeyedSerialQueue.run))
+    real = ast.unparse(ast.parse(source)).splitlines()
+    reference = uncounted_run_source().splitlines()
+    start = next(i for i, line in enumerate(real) if line.strip() == "part.count_failure(exc)") - 1
+    clause = [line.strip() for line in real[start : start + 3]]
+    assert clause == ["except BaseException as exc:", "part.count_failure(exc)", "raise"]
     assert real[:start] + real[start + 3 :] == reference
 
 

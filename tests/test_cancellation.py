@@ -96,16 +96,20 @@ async def test_cancelled_waiter_whose_turn_came_meanwhile() -> None:
 
 async def test_submitted_task_cancelled_before_it_starts_leaves_no_trace() -> None:
     queue, rec = KeyedSerialQueue(), Recorder()
+    holder = queue.submit("k", rec.step, "h")
     first = queue.submit("k", rec.step, "a")
-    first.cancel()  # before its first step: its coroutine never runs
+    first.cancel()  # before its first step (with eager tasks: while it waits for its turn)
     second = queue.submit("k", rec.step, "b")
     third = queue.submit("k", rec.step, "c")
     third.cancel()
     await settle()
     assert first.cancelled() and third.cancelled()
-    assert rec.log == ["start b"]
+    assert queue.pending("k") == 2
+    rec.gate("h").set()
+    await settle()
+    assert rec.log == ["start h", "end h", "start b"]
     rec.gate("b").set()
-    assert await second == "b"
+    assert await holder == "h" and await second == "b"
     assert len(queue) == 0
 
 

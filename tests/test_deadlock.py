@@ -59,7 +59,9 @@ async def test_awaiting_a_child_that_queues_for_my_key() -> None:
         child = asyncio.create_task(queue.run("k", child_work), name="child")
         await child  # the parent awaits a task that waits for the parent's own key
 
-    with pytest.raises(DeadlockError, match="awaits task 'child'") as info:
+    with pytest.raises(
+        DeadlockError, match=r"parent \(task .*\) awaits .*child_work \(task 'child'\)"
+    ) as info:
         await asyncio.wait_for(queue.run("k", parent), timeout=5)
     assert info.value.keys == ["k"]
     assert len(queue) == 0

@@ -1,0 +1,194 @@
+"""Who waits for whom among asyncio tasks, read off asyncio's own objects.
+
+Two questions need it. The deadlock check asks what a blocked task waits for (forward):
+``await task``, ``gather``, ``TaskGroup``, ``wait``, ``shield`` and ``wait_for`` each leave a
+different trace. ``current_fence()`` asks, from a helper task or thread, which task waits
+for it (backward), to find the turn that the helper works for.
+
+asyncio keeps no wait-for graph, so both are reconstructed from what it does keep:
+
+* a blocked task's ``_fut_waiter`` — the future its innermost ``await`` is parked on;
+* its coroutine chain (``cr_await``) — the coroutines awaiting one another down to that
+  future, whose frames say which asyncio helper is waiting (``TaskGroup.__aexit__``,
+  ``wait``, and ``wait_for`` up to Python 3.11, which park on a private future);
+* a future's done callbacks — a task's wake-up method, or a closure of ``gather``,
+  ``shield``, ``wait`` or ``wait_for`` holding the future it completes in turn.
+
+The attributes read here are private to asyncio but unchanged from Python 3.10 to 3.13,
+and each read tolerates their absence: a wait that cannot be explained is treated as a wait
+on something outside the graph (no edge), which can miss a cycle but never invents one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any, NamedTuple
+
+#: How deep a coroutine chain or a callback chain is followed; deeper ones are not explained.
+MAX_DEPTH = 64
+
+_WAIT_CODES = {asyncio.tasks.wait.__code__.co_name: "wait", "_wait": "wait"}
+_TASKS_FILE = asyncio.tasks.__file__
+
+
+class Wait(NamedTuple):
+    """What a blocked task or a pending future waits for: all of ``on``, or any one of them."""
+
+    every: bool
+    on: tuple[Any, ...]
+    via: str  # how, for messages: "awaits", "gather", "TaskGroup", "wait", "shield", ...
+
+
+def coroutine_chain(task: asyncio.Task[Any]) -> Iterator[Any]:
+    """The coroutines of ``task`` awaiting one another, outermost first."""
+    coro: Any = task.get_coro()
+    for _ in range(MAX_DEPTH):
+        if coro is None:
+            return
+        yield coro
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+
+
+def frame_of(coro: Any) -> FrameType | None:
+    return getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+
+
+def is_running(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` is in the middle of a step (another task started eagerly inside it)."""
+    return bool(getattr(task.get_coro(), "cr_running", False))
+
+
+def _task_group_tasks(frame: FrameType) -> tuple[Any, ...] | None:
+    """The tasks a task group waits for, if ``frame`` is its ``__aexit__`` (asyncio or anyio)."""
+    if frame.f_code.co_name not in ("__aexit__", "_aexit"):
+        return None
+    group = frame.f_locals.get("self")
+    tasks = getattr(group, "_tasks", None)
+    if type(group).__name__ != "TaskGroup" or not isinstance(tasks, (set, list)):
+        return None
+    return tuple(tasks)
+
+
+def _explained_by_frame(frame: FrameType) -> Wait | None:
+    """The wait of an asyncio helper parked on a future of its own, read from its frame."""
+    code = frame.f_code
+    tasks = _task_group_tasks(frame)
+    if tasks is not None:
+        return Wait(True, tasks, "TaskGroup")
+    if code.co_filename != _TASKS_FILE:
+        return None
+    local = frame.f_locals
+    if code.co_name in _WAIT_CODES and "fs" in local:
+        every = local.get("return_when", asyncio.ALL_COMPLETED) == asyncio.ALL_COMPLETED
+        return Wait(every, tuple(local["fs"]), "asyncio.wait")
+    if code.co_name == "wait_for" and isinstance(local.get("fut"), asyncio.Future):
+        return Wait(True, (local["fut"],), "wait_for")  # Python 3.10 and 3.11
+    return None
+
+
+def waits_of_task(task: asyncio.Task[Any]) -> Wait | None:
+    """What the blocked ``task`` waits for; None if it is not blocked on a future."""
+    future = getattr(task, "_fut_waiter", None)
+    if future is None:
+        return None
+    for coro in coroutine_chain(task):
+        frame = frame_of(coro)
+        if frame is not None and (found := _explained_by_frame(frame)) is not None:
+            return found
+    if isinstance(future, asyncio.Task):
+        return Wait(True, (future,), "awaits")
+    return waits_of_future(future)
+
+
+def _closure_value(function: Any, name: str) -> Any:
+    code = getattr(function, "__code__", None)
+    cells = getattr(function, "__closure__", None)
+    if code is None or cells is None or name not in code.co_freevars:
+        return None
+    try:
+        return cells[code.co_freevars.index(name)].cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _callbacks(future: Any) -> list[Any]:
+    return [callback for callback, _context in getattr(future, "_callbacks", None) or ()]
+
+
+def waits_of_future(future: Any) -> Wait | None:
+    """What completes the pending ``future`` in turn (a gather's children, a shield's inner)."""
+    children = getattr(future, "_children", None)
+    if type(future).__name__ == "_GatheringFuture" and isinstance(children, list):
+        return Wait(True, tuple(children), "gather")
+    for callback in _callbacks(future):
+        if getattr(callback, "__qualname__", "") == "shield.<locals>._outer_done_callback":
+            inner = _closure_value(callback, "inner")
+            if inner is not None:
+                return Wait(True, (inner,), "shield")
+    return None
+
+
+# -- backward: who waits for a task ---------------------------------------------------------
+
+
+def _completes(callback: Any) -> Iterator[Any]:
+    """What finishing the future with this done callback wakes: tasks, futures, task groups."""
+    owner = getattr(callback, "__self__", None)
+    if isinstance(owner, asyncio.Task):  # the wake-up method of a task awaiting the future
+        yield owner
+        return
+    parent = getattr(owner, "_parent_task", None)  # TaskGroup._on_task_done (asyncio, anyio)
+    if isinstance(parent, asyncio.Task):
+        yield parent
+        return
+    name = getattr(callback, "__qualname__", "")
+    if name in ("gather.<locals>._done_callback", "shield.<locals>._inner_done_callback"):
+        yield _closure_value(callback, "outer")
+    elif name == "_wait.<locals>._on_completion":
+        yield _closure_value(callback, "waiter")
+    elif name == "_chain_future.<locals>._call_set_state":  # a thread's future -> the loop's
+        yield _closure_value(callback, "destination")
+    else:
+        partial_of = getattr(callback, "func", None)  # wait_for's partial(_release_waiter, w)
+        if getattr(partial_of, "__name__", "") == "_release_waiter":
+            yield from getattr(callback, "args", ())[:1]
+
+
+def tasks_waiting_for(future: Any) -> list[asyncio.Task[Any]]:
+    """The tasks that wait, directly or through asyncio helpers, for ``future`` to finish."""
+    found: list[asyncio.Task[Any]] = []
+    seen: set[int] = set()
+    frontier = [future]
+    while frontier and len(seen) < MAX_DEPTH * 4:
+        current = frontier.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        callbacks = (
+            getattr(current, "_done_callbacks", None)  # a concurrent.futures.Future
+            if not isinstance(current, asyncio.Future)
+            else _callbacks(current)
+        )
+        for callback in callbacks or ():
+            for woken in _completes(callback):
+                if isinstance(woken, asyncio.Task):
+                    found.append(woken)
+                elif woken is not None:
+                    frontier.append(woken)
+    return found
+
+
+def thread_work_future() -> Any:
+    """The ``concurrent.futures`` future of the executor work item this thread runs, if any."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "run" and "concurrent" in frame.f_code.co_filename:
+            item = frame.f_locals.get("self")
+            future = getattr(item, "future", None)
+            if future is not None:
+                return future
+        frame = frame.f_back
+    return None

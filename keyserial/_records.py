@@ -1,0 +1,77 @@
+"""The records a queue keeps for waiting and running calls; it imports nothing of keyserial.
+
+A key used by one call at a time is a single dict entry, the holding task. The first time
+a call has to wait for the key, the entry becomes a ``KeyState`` holding the waiters in
+registration order. A waiter is a ``Waiter`` future (one key) or a ``MultiTurn`` (several
+keys, registered on all of them in one step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Hashable
+from typing import Any, Protocol
+
+Task = asyncio.Task[Any]
+
+#: ``KeyState.holder`` while the turn has been handed to a single-key waiter that has not
+#: resumed yet.
+GRANTED = object()
+#: The owner passed for ``submit``: its task does not exist yet, so it holds nothing.
+NEW_TASK = object()
+
+
+class KeyHolders(Protocol):
+    """What the deadlock check asks of a loop's share: who holds a key's turn."""
+
+    def holding_task(self, key: Hashable) -> Task | None: ...
+
+
+class Waiter(asyncio.Future):  # type: ignore[type-arg]
+    """What a waiting call awaits.
+
+    Its result is True once granted, False on timeout, None if superseded, or the
+    ``DeadlockError`` found when the wait was checked again after an eager step. It also
+    says what it waits for: the deadlock check follows a blocked task's ``_fut_waiter`` to
+    it, so waiting costs no extra bookkeeping.
+    """
+
+    __slots__ = ("keys", "part", "since", "timer")
+    since: float  # when the call registered
+    part: KeyHolders  # whose keys
+    keys: tuple[Hashable, ...]  # the keys it waits for
+    timer: asyncio.TimerHandle | None  # bounds the wait, if it has a timeout
+
+
+class MultiTurn:
+    """A call waiting for several keys; it runs once it holds all of them."""
+
+    __slots__ = ("future", "missing", "since", "task")
+
+    def __init__(self, future: Waiter, task: Task) -> None:
+        self.future = future
+        self.task = task
+        self.missing = 0  # keys still to be handed to it
+        self.since = time.monotonic()
+
+
+class KeyState:
+    """A key that saw contention during its current busy period."""
+
+    __slots__ = ("holder", "latest", "pending", "since", "waiters")
+
+    def __init__(self, holder: object) -> None:
+        # The running task, GRANTED, a MultiTurn collecting its keys, or None when the turn
+        # is free and only dead waiters (not yet resumed) keep the state alive.
+        self.holder = holder
+        # Running plus waiting calls, counting dead waiters that have not resumed yet.
+        self.pending = 1
+        # Waiters in registration order; a done future marks a dead one, skipped on hand-off.
+        self.waiters: deque[Waiter | MultiTurn] = deque()
+        # The waiting call of each coalescing group, which the group's next call supersedes.
+        self.latest: dict[Hashable, Waiter] | None = None
+        # When the current turn started; for a turn that began uncontended, when the first
+        # call queued behind it (the turn is at least that old).
+        self.since = time.monotonic()
