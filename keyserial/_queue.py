@@ -603,9 +603,9 @@ class KeyedSerialQueue:
         part.attention = True
         try:
             await idle
-        finally:
-            if not idle.done():  # cancelled or timed out: leave nothing behind
-                part.forget_idle_waiter(idle)
+        except BaseException:
+            part.forget_idle_waiter(idle)  # cancelled or timed out: leave nothing behind
+            raise
 
     async def aclose(self) -> None:
         """Refuse new work with :class:`QueueClosed`, then wait for the registered work to finish.

@@ -154,3 +154,135 @@ async def test_lock_object_cannot_be_entered_twice() -> None:
         with pytest.raises(RuntimeError, match="twice"):
             await lock.__aenter__()
     assert len(queue) == 0
+
+
+class HashRaises:
+    """A key whose ``__hash__`` raises something other than TypeError."""
+
+    def __hash__(self) -> int:
+        raise ValueError("no hash today")
+
+
+async def test_a_key_whose_hash_raises_is_a_type_error_everywhere() -> None:
+    queue = KeyedSerialQueue()
+    key = HashRaises()
+    with pytest.raises(TypeError, match=r"hashable and comparable.*no hash today") as info:
+        await queue.run(key, noop)
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(TypeError, match="no hash today"):
+        await queue.call(key, noop, (), {})
+    with pytest.raises(TypeError, match="no hash today"):
+        queue.submit(key, noop)
+    with pytest.raises(TypeError, match="no hash today"):
+        async with queue.lock(key):
+            pass
+    with pytest.raises(TypeError, match="no hash today"):
+        await queue.run_all(["a", key], noop)
+    with pytest.raises(TypeError, match="no hash today"):
+        queue.pending(key)
+    with pytest.raises(TypeError, match="no hash today"):
+        queue.locked(key)
+    assert key not in queue  # a key that cannot be hashed has no work registered
+    assert len(queue) == 0
+
+
+class Flaky:
+    """Keys that all hash alike and whose equality can be made to fail."""
+
+    broken = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __eq__(self, other: object) -> bool:
+        if Flaky.broken:
+            raise RuntimeError("equality broke")
+        return isinstance(other, Flaky) and other.name == self.name
+
+    def __repr__(self) -> str:
+        return f"Flaky({self.name!r})"
+
+
+async def test_a_key_whose_equality_breaks_during_its_turn_is_not_left_registered() -> None:
+    queue = KeyedSerialQueue()
+    first, second = Flaky("first"), Flaky("second")
+    gates = {name: asyncio.Event() for name in ("first", "second", "waiter")}
+    log: list[str] = []
+
+    async def hold(name: str) -> None:
+        await gates[name].wait()
+        log.append(name)
+
+    try:
+        holder_first = asyncio.create_task(queue.run(first, hold, "first"))
+        holder_second = asyncio.create_task(queue.run(second, hold, "second"))
+        await settle()
+        waiter = asyncio.create_task(queue.run(Flaky("second"), hold, "waiter"))
+        await settle()
+        assert queue.pending(second) == 2
+        Flaky.broken = True  # from now on, finding "second" compares it with "first"
+        gates["second"].set()
+        gates["waiter"].set()
+        with pytest.raises(TypeError, match="failed to hash or compare") as info:
+            await asyncio.wait_for(holder_second, timeout=5)
+        assert isinstance(info.value.__cause__, RuntimeError)
+        # The waiter is refused, not left hanging on a key nobody can hand on.
+        with pytest.raises(TypeError, match="failed to hash or compare"):
+            await asyncio.wait_for(waiter, timeout=5)
+    finally:
+        Flaky.broken = False
+    assert log == ["second"]
+    assert len(queue) == 1  # only "first" is registered now
+    gates["first"].set()
+    await holder_first
+    assert len(queue) == 0
+    await queue.run(Flaky("second"), noop)  # the key works again once it compares again
+    assert len(queue) == 0
+
+
+async def test_a_key_whose_hash_changes_during_its_turn_is_not_left_registered() -> None:
+    queue = KeyedSerialQueue()
+
+    class Mutable:
+        def __init__(self) -> None:
+            self.value = 1
+
+        def __hash__(self) -> int:
+            return self.value
+
+    key = Mutable()
+
+    async def mutate() -> None:
+        key.value = 2
+
+    with pytest.raises(TypeError, match="failed to hash or compare"):
+        await queue.run(key, mutate)
+    assert len(queue) == 0
+
+
+async def test_a_join_that_times_out_or_is_cancelled_leaves_nothing_behind() -> None:
+    queue = KeyedSerialQueue()
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        await gate.wait()
+
+    holder = asyncio.create_task(queue.run("k", hold))
+    await settle()
+    for _ in range(100):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(queue.join(), timeout=0.0001)
+        joining = asyncio.create_task(queue.join())
+        await settle()
+        joining.cancel()
+        await settle()
+        assert joining.cancelled()
+    share = queue._inspected()
+    assert share.idle_waiters == []
+    assert not share.attention  # the uncontended path is fast again
+    gate.set()
+    await holder
+    await asyncio.wait_for(queue.join(), timeout=5)
