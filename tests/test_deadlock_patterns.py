@@ -38,7 +38,7 @@ def child_error(outcome: BaseException) -> DeadlockError:
     """The DeadlockError inside ``outcome`` (itself, or the one an exception group holds)."""
     if isinstance(outcome, DeadlockError):
         return outcome
-    inner = getattr(outcome, "exceptions", ())
+    inner: tuple[BaseException, ...] = getattr(outcome, "exceptions", ())
     assert len(inner) == 1, outcome
     return child_error(inner[0])
 
@@ -52,7 +52,7 @@ async def holder_waiting_through(
     async def parent() -> None:
         await wait_for_child(queue)
 
-    with pytest.raises(BaseException) as info:  # noqa: PT011 - DeadlockError or a group of it
+    with pytest.raises(BaseException) as info:  # DeadlockError, or a group holding it
         await bounded(queue.run("k", parent))
     return queue, child_error(info.value)
 
