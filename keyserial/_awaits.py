@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
+#: How long a thread waits for its work to be chained to the loop's future (seconds).
+_CHAIN_WAIT = 1.0
 #: How deep a coroutine chain or a callback chain is followed; deeper ones are not explained.
 MAX_DEPTH = 64
 
@@ -40,6 +43,12 @@ class Wait(NamedTuple):
     every: bool
     on: tuple[Any, ...]
     via: str  # how, for messages: "awaits", "gather", "TaskGroup", "wait", "shield", ...
+
+
+def is_task(candidate: object) -> TypeGuard[asyncio.Task[Any]]:
+    """Whether ``candidate`` is an asyncio task: asyncio's own, or a Python ``Task`` subclass
+    that does not derive from the C one (as some runners and test plugins use)."""
+    return asyncio.isfuture(candidate) and hasattr(candidate, "get_coro")
 
 
 def coroutine_chain(task: asyncio.Task[Any]) -> Iterator[Any]:
@@ -98,7 +107,7 @@ def waits_of_task(task: asyncio.Task[Any]) -> Wait | None:
         frame = frame_of(coro)
         if frame is not None and (found := _explained_by_frame(frame)) is not None:
             return found
-    if isinstance(future, asyncio.Task):
+    if is_task(future):
         return Wait(True, (future,), "awaits")
     return waits_of_future(future)
 
@@ -137,11 +146,11 @@ def waits_of_future(future: Any) -> Wait | None:
 def _completes(callback: Any) -> Iterator[Any]:
     """What finishing the future with this done callback wakes: tasks, futures, task groups."""
     owner = getattr(callback, "__self__", None)
-    if isinstance(owner, asyncio.Task):  # the wake-up method of a task awaiting the future
+    if is_task(owner):  # the wake-up method of a task awaiting the future
         yield owner
         return
     parent = getattr(owner, "_parent_task", None)  # TaskGroup._on_task_done (asyncio, anyio)
-    if isinstance(parent, asyncio.Task):
+    if is_task(parent):
         yield parent
         return
     name = getattr(callback, "__qualname__", "")
@@ -151,6 +160,9 @@ def _completes(callback: Any) -> Iterator[Any]:
         yield _closure_value(callback, "waiter")
     elif name == "_chain_future.<locals>._call_set_state":  # a thread's future -> the loop's
         yield _closure_value(callback, "destination")
+    elif name == "TaskGroup._spawn.<locals>.task_done":  # anyio's task group on asyncio
+        scope = getattr(_closure_value(callback, "self"), "cancel_scope", None)
+        yield getattr(scope, "_host_task", None)
     else:
         partial_of = getattr(callback, "func", None)  # wait_for's partial(_release_waiter, w)
         if getattr(partial_of, "__name__", "") == "_release_waiter":
@@ -169,26 +181,38 @@ def tasks_waiting_for(future: Any) -> list[asyncio.Task[Any]]:
         seen.add(id(current))
         callbacks = (
             getattr(current, "_done_callbacks", None)  # a concurrent.futures.Future
-            if not isinstance(current, asyncio.Future)
+            if not asyncio.isfuture(current)
             else _callbacks(current)
         )
         for callback in callbacks or ():
             for woken in _completes(callback):
-                if isinstance(woken, asyncio.Task):
+                if is_task(woken):
                     found.append(woken)
                 elif woken is not None:
                     frontier.append(woken)
     return found
 
 
-def thread_work_future() -> Any:
-    """The ``concurrent.futures`` future of the executor work item this thread runs, if any."""
+def future_of_thread_work() -> asyncio.Future[Any] | None:
+    """The loop's future for the executor work this thread runs (``to_thread``), if any."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "run" and "concurrent" in frame.f_code.co_filename:
-            item = frame.f_locals.get("self")
-            future = getattr(item, "future", None)
-            if future is not None:
-                return future
+            work = getattr(frame.f_locals.get("self"), "future", None)
+            return None if work is None else _loop_future_of(work)
         frame = frame.f_back
     return None
+
+
+def _loop_future_of(work: Any) -> asyncio.Future[Any] | None:
+    # run_in_executor() chains the loop's future to the work's just after submitting it,
+    # so a thread that starts at once can get here first: give the loop's thread a moment.
+    deadline = time.monotonic() + _CHAIN_WAIT
+    while True:
+        for callback in list(getattr(work, "_done_callbacks", None) or ()):
+            for woken in _completes(callback):
+                if asyncio.isfuture(woken):
+                    return woken
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.0005)

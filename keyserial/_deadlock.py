@@ -24,7 +24,15 @@ import asyncio
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from ._awaits import Wait, coroutine_chain, frame_of, is_running, waits_of_future, waits_of_task
+from ._awaits import (
+    Wait,
+    coroutine_chain,
+    frame_of,
+    is_running,
+    is_task,
+    waits_of_future,
+    waits_of_task,
+)
 from ._errors import DeadlockError
 from ._records import KeyHolders, Waiter
 
@@ -79,7 +87,7 @@ class _Search:
         return None
 
     def _edges(self, node: Any) -> list[tuple[Any, Label]]:
-        if isinstance(node, asyncio.Future) and node.done():
+        if asyncio.isfuture(node) and node.done():
             return []
         if type(node) is Waiter:
             edges: list[tuple[Any, Label]] = []
@@ -89,7 +97,7 @@ class _Search:
                     edges.append((holder, ("key", key)))
             return edges
         wait: Wait | None
-        if isinstance(node, asyncio.Task):
+        if is_task(node):
             awaited = getattr(node, "_fut_waiter", None)
             if type(awaited) is Waiter:
                 return [(awaited, ("", None))]
@@ -207,7 +215,7 @@ def _describe(task: Task, key: Hashable, steps: list[tuple[Any, Label]]) -> Dead
     for node, label in steps:
         if label[0] == "key" or (label[0] == "await" and edge[0] != "key"):
             edge = label
-        if not isinstance(node, asyncio.Task):
+        if not is_task(node):
             continue
         if edge[0] == "key":
             if node is not steps[0][0]:

@@ -1,4 +1,4 @@
-"""``current_fence()``: the fencing token of the turn the calling code runs in.
+"""``current_fence()``: the fencing token of the turn the calling code runs in, or works for.
 
 A turn's fence is an int that increases strictly, per key, from one granted
 turn to the next; a resource that remembers the highest fence it has seen can
@@ -11,18 +11,34 @@ innermost frame of a queue method that runs a turn (each queue module registers
 those code objects with a reader of the frame's fence), or to the frame that
 entered a ``lock()`` block (recorded in a context variable, since a block has
 no frame of its own).
+
+Code that works *for* a turn in another task or thread — a child task the holder
+awaits (directly, or through ``gather``, ``TaskGroup``, ``wait``, ``shield``,
+``wait_for``), or a function the holder awaits in ``asyncio.to_thread`` — finds
+the holder by following who waits for it (``keyserial._awaits``) and reads the
+holder's suspended coroutines the same way. Carrying the turn in a context
+variable instead would cost every call a ``ContextVar.set`` and ``reset`` (about as
+much as an uncontended call itself), and would hand a stale fence to a task that
+outlives the turn.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar, Token
 from types import CodeType, FrameType
 from typing import Any
 
+from ._awaits import MAX_DEPTH, coroutine_chain, frame_of, future_of_thread_work, tasks_waiting_for
+
 #: Reads the fence from a turn frame's locals; None if that frame holds no key of its own.
 FenceReader = Callable[[Mapping[str, Any]], "int | None"]
+
+#: How long a thread waits for the loop to read the fence of the turn it works for.
+_LOOP_ANSWER_TIMEOUT = 10.0
 
 _turn_readers: dict[CodeType, FenceReader] = {}
 _lock_blocks: ContextVar[tuple[tuple[FrameType, Callable[[], int | None]], ...]] = ContextVar(
@@ -45,7 +61,7 @@ def exit_lock_block(token: Token[Any]) -> None:
 
 
 def current_fence() -> int:
-    """The fencing token of the innermost turn that the calling code runs in.
+    """The fencing token of the innermost turn that the calling code runs in, or works for.
 
     Fences increase strictly, per key, for every turn granted: pass the fence
     along with a write and let the store refuse a write whose fence is lower
@@ -54,12 +70,21 @@ def current_fence() -> int:
     comes from a counter of the queue (per event loop), handed out on first
     request and stable for the rest of the turn.
 
+    Inside a turn (a serialized call, a ``run``/``call``/``submit``/``run_all``
+    function, a ``lock()``/``lock_all()`` block) it is that turn's fence. A task
+    or thread that a turn's holder is waiting for gets the fence of the turn the
+    holder is in: a child task awaited directly or through ``asyncio.gather``,
+    ``TaskGroup``, ``asyncio.wait``, ``shield`` or ``wait_for``, and a function
+    run by ``asyncio.to_thread`` (or awaited ``run_in_executor``). A task that
+    nobody in a turn waits for — started and left running — gets no fence: it may
+    outlive the turn.
+
     Raises:
-        RuntimeError: not called from inside a turn (a serialized call, a
-            ``run``/``call``/``submit``/``run_all`` function, or a
-            ``lock()``/``lock_all()`` block).
+        RuntimeError: not called from inside a turn, nor from a task or thread
+            that a turn's holder is waiting for.
 
     Example:
+        ```pycon
         >>> import asyncio
         >>> from keyserial import KeyedSerialQueue, current_fence
         >>> async def main() -> bool:
@@ -71,17 +96,86 @@ def current_fence() -> int:
         ...     return second > first
         >>> asyncio.run(main())
         True
+
+        ```
     """
     blocks = {id(frame): fence for frame, fence in _lock_blocks.get()}
     # The coroutines awaiting each other are all running now, one calling the next:
     # their frames are on the call stack, innermost first.
-    frame: FrameType | None = sys._getframe(1)
+    fence = _fence_on_frames(_stack(sys._getframe(1)), blocks)
+    if fence is not None:
+        return fence
+    fence = _fence_of_holder_waiting(blocks)
+    if fence is not None:
+        return fence
+    raise RuntimeError(
+        "current_fence() must be called inside a keyserial turn, or in a task or thread "
+        "that a turn's holder awaits"
+    )
+
+
+def _stack(frame: FrameType | None) -> Iterator[FrameType]:
     while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _fence_on_frames(
+    frames: Iterable[FrameType], blocks: Mapping[int, Callable[[], int | None]]
+) -> int | None:
+    """The fence of the first frame, innermost first, that runs a turn."""
+    for frame in frames:
         reader = _turn_readers.get(frame.f_code)
         if reader is not None and (fence := reader(frame.f_locals)) is not None:
             return fence
         block = blocks.get(id(frame))
         if block is not None and (fence := block()) is not None:
             return fence
-        frame = frame.f_back
-    raise RuntimeError("current_fence() must be called inside a keyserial turn")
+    return None
+
+
+def _fence_of_holder_waiting(blocks: Mapping[int, Callable[[], int | None]]) -> int | None:
+    """The fence of the nearest task in a turn that waits for this task or thread."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop in this thread
+        task = None
+    if task is not None:
+        return _fence_of_waiters(task, blocks)
+    future = future_of_thread_work()
+    if future is None:
+        return None
+    # The holder's frames and its queue's fence book belong to the loop's thread: read them
+    # there. The loop is free (the holder awaits this very thread), so it answers at once.
+    loop = future.get_loop()
+    answer: concurrent.futures.Future[int | None] = concurrent.futures.Future()
+
+    def look() -> None:
+        try:
+            answer.set_result(_fence_of_waiters(future, blocks))
+        except BaseException as exc:
+            answer.set_exception(exc)
+
+    loop.call_soon_threadsafe(look)
+    try:
+        return answer.result(timeout=_LOOP_ANSWER_TIMEOUT)
+    except concurrent.futures.TimeoutError:
+        raise RuntimeError("current_fence(): the event loop of the turn did not answer") from None
+
+
+def _fence_of_waiters(
+    awaited: object, blocks: Mapping[int, Callable[[], int | None]]
+) -> int | None:
+    seen: set[int] = set()
+    frontier = tasks_waiting_for(awaited)
+    while frontier and len(seen) < MAX_DEPTH:
+        task = frontier.pop(0)
+        if id(task) in seen:
+            continue
+        seen.add(id(task))
+        frames = [frame_of(coro) for coro in coroutine_chain(task)]
+        found = _fence_on_frames(reversed([f for f in frames if f is not None]), blocks)
+        if found is not None:
+            return found
+        frontier.extend(tasks_waiting_for(task))
+    return None

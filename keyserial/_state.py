@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
-from ._awaits import is_running
+from ._awaits import is_running, is_task
 from ._deadlock import check_later, check_no_cycle
 from ._errors import QueueClosed, QueueFull, Superseded
 from ._records import GRANTED, NEW_TASK, KeyState, MultiTurn, Waiter
@@ -226,7 +226,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
         holder = self.holder_of(key)
         if type(holder) is MultiTurn:
             return holder.task
-        return holder if isinstance(holder, asyncio.Task) else None
+        return holder if is_task(holder) else None
 
     def waiting_for(self, task: Task) -> tuple[Hashable, ...]:
         """The keys of this partition that ``task`` is waiting for, if any."""
@@ -282,7 +282,7 @@ class Partition(dict[Hashable, "Task | KeyState"]):
             # Walk only if the holder itself waits on something: usually it is running.
             blocking = holder.task if type(holder) is MultiTurn else holder
             if getattr(blocking, "_fut_waiter", None) is not None or (
-                _EAGER_TASKS and isinstance(blocking, asyncio.Task) and is_running(blocking)
+                _EAGER_TASKS and is_task(blocking) and is_running(blocking)
             ):
                 recheck = check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
         state = self._contended(key, held)

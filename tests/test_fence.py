@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
+import anyio
 import pytest
 
 from keyserial import KeyedSerialQueue, current_fence, serialized
@@ -103,3 +105,83 @@ async def test_outside_a_turn_is_a_runtime_error() -> None:
 def test_outside_any_task_is_a_runtime_error() -> None:
     with pytest.raises(RuntimeError, match="inside a keyserial turn"):
         current_fence()
+
+
+async def _child_fence() -> int:
+    await asyncio.sleep(0)
+    return current_fence()
+
+
+def _thread_fence() -> int:
+    return current_fence()
+
+
+@pytest.mark.asyncio
+async def test_helpers_the_holder_waits_for_see_its_fence() -> None:
+    queue = KeyedSerialQueue()
+    seen: dict[str, int] = {}
+
+    async def turn() -> None:
+        mine = current_fence()
+        seen["awaited task"] = await asyncio.create_task(_child_fence())
+        seen["gather"], seen["gather 2"] = await asyncio.gather(_child_fence(), _child_fence())
+        seen["to_thread"] = await asyncio.to_thread(_thread_fence)
+        seen["shield"] = await asyncio.shield(_child_fence())
+        seen["wait_for"] = await asyncio.wait_for(asyncio.ensure_future(_child_fence()), 5)
+        done, _ = await asyncio.wait([asyncio.ensure_future(_child_fence())])
+        seen["wait"] = done.pop().result()
+        if sys.version_info >= (3, 11):
+            async with asyncio.TaskGroup() as group:  # type: ignore[attr-defined,unused-ignore]
+                in_group = group.create_task(_child_fence())
+            seen["TaskGroup"] = in_group.result()
+        async with anyio.create_task_group() as anyio_group:
+            anyio_group.start_soon(_store_anyio_fence, seen)
+        seen["own"] = mine
+
+    await queue.run("k", turn)
+    assert set(seen.values()) == {seen["own"]}, seen
+
+
+async def _store_anyio_fence(seen: dict[str, int]) -> None:
+    seen["anyio"] = await _child_fence()
+
+
+@pytest.mark.asyncio
+async def test_a_helper_of_a_lock_block_sees_the_blocks_fence() -> None:
+    queue = KeyedSerialQueue()
+    async with queue.lock("k"):
+        mine = current_fence()
+        assert list(await asyncio.gather(_child_fence())) == [mine]
+        assert await asyncio.to_thread(_thread_fence) == mine
+
+
+@pytest.mark.asyncio
+async def test_a_helper_with_a_turn_of_its_own_sees_its_own_fence() -> None:
+    queue = KeyedSerialQueue()
+
+    async def other_key() -> int:
+        return await queue.run("other", _child_fence)
+
+    async def turn() -> tuple[int, int]:
+        (child,) = await asyncio.gather(other_key())
+        return current_fence(), child
+
+    mine, child = await queue.run("k", turn)
+    assert child != mine
+    assert queue.locked("k") is False
+
+
+@pytest.mark.asyncio
+async def test_a_task_left_running_gets_no_fence() -> None:
+    # Nobody in the turn waits for it, so it may outlive the turn: no fence for it.
+    queue = KeyedSerialQueue()
+    orphan: list[asyncio.Task[int]] = []
+
+    async def turn() -> None:
+        orphan.append(asyncio.create_task(_child_fence()))
+
+    await queue.run("k", turn)
+    with pytest.raises(RuntimeError, match="inside a keyserial turn"):
+        await orphan[0]
+    with pytest.raises(RuntimeError, match="inside a keyserial turn"):
+        await asyncio.to_thread(_thread_fence)
