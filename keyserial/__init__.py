@@ -5,18 +5,21 @@ different keys run concurrently. See :class:`KeyedSerialQueue` and
 :func:`serialized`.
 """
 
-from ._decorator import SerialQueue, serialized
+from ._decorator import serialized
 from ._default import default_queue
 from ._errors import DeadlockError, LeaseLost, QueueClosed, QueueFull, Superseded
 from ._fence import current_fence
 from ._observe import QueueObserver
+from ._protocols import KeyLock, MultiKeySerialQueue, SerialQueue
 from ._queue import KeyedSerialQueue
 from ._stats import QueueStats
 
 __all__ = [
     "DeadlockError",
+    "KeyLock",
     "KeyedSerialQueue",
     "LeaseLost",
+    "MultiKeySerialQueue",
     "QueueClosed",
     "QueueFull",
     "QueueObserver",

@@ -52,7 +52,9 @@ def is_task(candidate: object) -> TypeGuard[asyncio.Task[Any]]:
 
 
 def coroutine_chain(task: asyncio.Task[Any]) -> Iterator[Any]:
-    """The coroutines of ``task`` awaiting one another, outermost first."""
+    """The coroutines of ``task`` awaiting one another, outermost first (none once it is done)."""
+    if task.done():
+        return  # and get_coro() of an eager task that finished at once crashes 3.12.0-3.12.1
     coro: Any = task.get_coro()
     for _ in range(MAX_DEPTH):
         if coro is None:
@@ -67,7 +69,7 @@ def frame_of(coro: Any) -> FrameType | None:
 
 def is_running(task: asyncio.Task[Any]) -> bool:
     """Whether ``task`` is in the middle of a step (another task started eagerly inside it)."""
-    return bool(getattr(task.get_coro(), "cr_running", False))
+    return not task.done() and bool(getattr(task.get_coro(), "cr_running", False))
 
 
 def _task_group_tasks(frame: FrameType) -> tuple[Any, ...] | None:

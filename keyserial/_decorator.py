@@ -5,44 +5,28 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
+import types
+from collections.abc import Callable, Coroutine, Hashable, Iterable
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import wrapt
 
 from ._default import default_queue
-from ._keys import FunctionKey, KeyExtractor, constant_key, key_from_function, key_from_parameter
+from ._keys import (
+    ArgumentMismatch,
+    FunctionKey,
+    KeyExtractor,
+    constant_key,
+    key_from_function,
+    key_from_parameter,
+)
+from ._protocols import MultiKeySerialQueue, SerialQueue
 
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
 
 AsyncFunction = Callable[P, Coroutine[Any, Any, R]]
-
-
-class SerialQueue(Protocol):
-    """What ``@serialized`` needs from a queue: run one call in a key's turn.
-
-    :class:`~keyserial.KeyedSerialQueue` implements it; so can other backends.
-    """
-
-    def run(
-        self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
-    ) -> Coroutine[Any, Any, T]:
-        """Return a coroutine running ``fn(*args, **kwargs)`` in ``key``'s turn."""
-        ...
-
-    def call(
-        self,
-        key: Hashable,
-        fn: Callable[..., Awaitable[T]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None = None,
-        group: Hashable | None = None,
-    ) -> Coroutine[Any, Any, T]:
-        """Like ``run``; ``timeout`` bounds the wait, ``group`` makes the call coalescing."""
-        ...
 
 
 def _import_qualified(module: str, qualname: str) -> Any:
@@ -84,6 +68,30 @@ class _SerializedFunction(_FunctionWrapper):
         return _import_qualified, (self.__module__, self.__qualname__)
 
 
+def _named_after(method: Any, qualname: str) -> Any:
+    """``method``, made to name the coroutines it returns ``qualname``.
+
+    A coroutine takes its ``__qualname__`` from the function that made it: a copy of the
+    queue's method under the decorated function's name makes every call's coroutine show
+    that name (in ``repr``, in tasks, in "coroutine ... was never awaited") at no cost
+    per call. The code object is shared, so tracebacks still show the queue's method.
+    """
+    function = getattr(method, "__func__", None)
+    owner = getattr(method, "__self__", None)
+    if not isinstance(function, types.FunctionType) or owner is None:
+        return method  # not a plain Python method: use it as it is
+    renamed = types.FunctionType(
+        function.__code__,
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    renamed.__kwdefaults__ = function.__kwdefaults__
+    renamed.__qualname__ = qualname
+    return types.MethodType(renamed, owner)
+
+
 def _underlying_function(fn: Any) -> Any:
     return fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
 
@@ -102,7 +110,7 @@ def _make_extractor(key: str | Callable[..., Any] | None, fn: Any, qualname: str
     if isinstance(key, str):
         return key_from_parameter(_underlying_function(fn), key, qualname)
     if callable(key):
-        return key_from_function(key)
+        return key_from_function(key, _underlying_function(fn), qualname)
     raise TypeError(f"@serialized key must be a parameter name, a callable or None, got {key!r}")
 
 
@@ -131,11 +139,13 @@ def _serialize(
         try:
             call_key: Hashable = extract(instance, args, kwargs)
             hash(call_key)
+        except ArgumentMismatch:
+            raise
         except Exception as exc:
             raise TypeError(f"{qualname}: could not get a hashable queue key: {exc}") from exc
         return call_key
 
-    call = target.call
+    call: Callable[..., Coroutine[Any, Any, Any]] = _named_after(target.call, qualname)
     # Calls of this function supersede each other's waiting calls, and no one else's.
     group = FunctionKey(qualname) if coalesce else None
 
@@ -164,9 +174,9 @@ def _serialize_multi(
     timeout: float | None,
     qualname: str,
 ) -> Any:
-    lock_all = getattr(target, "lock_all", None)
-    if lock_all is None:
+    if not isinstance(target, MultiKeySerialQueue):
         raise TypeError(f"@serialized on {qualname}: keys= needs a queue with lock_all()")
+    lock_all = target.lock_all
     extract = _make_extractor(keys, fn, qualname)
 
     def keys_of(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Hashable]:
@@ -174,6 +184,8 @@ def _serialize_multi(
             call_keys: list[Hashable] = list(extract(instance, args, kwargs))
             for call_key in call_keys:
                 hash(call_key)
+        except ArgumentMismatch:
+            raise
         except Exception as exc:
             raise TypeError(f"{qualname}: could not get hashable queue keys: {exc}") from exc
         return call_keys
@@ -186,6 +198,8 @@ def _serialize_multi(
     ) -> Any:
         async with lock_all(call_keys, timeout):
             return await wrapped(*args, **kwargs)
+
+    run_holding_all.__qualname__ = qualname  # its coroutines show the decorated function
 
     def route(
         wrapped: Callable[..., Coroutine[Any, Any, Any]],
@@ -277,6 +291,11 @@ def serialized(
         >>> log
         ['a:partial', 'a:final']
     """
+    if isinstance(fn, str):
+        raise TypeError(
+            f"@serialized takes the key by keyword: write @serialized(key={fn!r}), "
+            f"not @serialized({fn!r})"
+        )
     if fn is not None:
         return _serialize(fn, key, queue, timeout, keys, coalesce)
     return functools.partial(

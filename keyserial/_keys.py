@@ -17,6 +17,10 @@ KeyExtractor = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 _MISSING = object()
 
 
+class ArgumentMismatch(TypeError):
+    """A call whose arguments do not fit the decorated function: raised as Python would."""
+
+
 class FunctionKey:
     """A token of one decorated function: the key its calls share when ``key=None``,
     or the group its calls coalesce in when ``coalesce=True``."""
@@ -37,13 +41,63 @@ def constant_key(key: Hashable) -> KeyExtractor:
     return extract
 
 
-def key_from_function(key_fn: Callable[..., Hashable]) -> KeyExtractor:
+def key_from_function(
+    key_fn: Callable[..., Any], func: Callable[..., Any], qualname: str
+) -> KeyExtractor:
+    """Call ``key_fn`` with each call's arguments, once it is known to accept them.
+
+    Raises:
+        TypeError: ``key_fn`` cannot take the arguments ``func`` is called with.
+    """
+    check_arity(key_fn, func, qualname)
+
     def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if instance is None:
             return key_fn(*args, **kwargs)
         return key_fn(instance, *args, **kwargs)
 
     return extract
+
+
+def _sample_calls(func: Callable[..., Any]) -> list[tuple[list[str], dict[str, str]]]:
+    """The calls ``func`` accepts at both ends: every parameter given, and only required ones."""
+    parameters = inspect.signature(func).parameters.values()
+    full: tuple[list[str], dict[str, str]] = ([], {})
+    required: tuple[list[str], dict[str, str]] = ([], {})
+    for parameter in parameters:
+        needed = parameter.default is parameter.empty
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            full[0].append(parameter.name)
+            if needed:
+                required[0].append(parameter.name)
+        elif parameter.kind is parameter.KEYWORD_ONLY:
+            full[1][parameter.name] = parameter.name
+            if needed:
+                required[1][parameter.name] = parameter.name
+    return [full, required]
+
+
+def check_arity(key_fn: Callable[..., Any], func: Callable[..., Any], qualname: str) -> None:
+    """Refuse, at decoration, a key function that cannot take the decorated function's calls.
+
+    Raises:
+        TypeError: naming both signatures, when binding them fails.
+    """
+    try:
+        key_signature = inspect.signature(key_fn)
+        calls = _sample_calls(func)
+    except (TypeError, ValueError):
+        return  # a signature Python cannot read: nothing to check
+    for args, kwargs in calls:
+        try:
+            key_signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            name = getattr(key_fn, "__qualname__", repr(key_fn))
+            raise TypeError(
+                f"@serialized on {qualname}: the key function {name}{key_signature} cannot "
+                f"take the arguments of {qualname}{inspect.signature(func)} ({exc}); give it "
+                "the same parameters, self or cls included for a method, or *args/**kwargs"
+            ) from None
 
 
 def key_from_parameter(func: Callable[..., Any], name: str, qualname: str) -> KeyExtractor:
@@ -80,7 +134,7 @@ def key_from_parameter(func: Callable[..., Any], name: str, qualname: str) -> Ke
         if not positional_only and name in kwargs:
             return kwargs[name]
         if default is _MISSING:
-            raise TypeError(f"missing argument {name!r}")
+            raise ArgumentMismatch(f"{qualname}() missing required argument: {name!r}")
         return default
 
     return extract

@@ -14,13 +14,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from ._errors import QueueClosed, QueueFull, Superseded
-from ._queue import KeyedSerialQueue, _KeyLock, _KeysLock
+from ._protocols import KeyLock
+from ._queue import KeyedSerialQueue
 from ._stats import QueueStats
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 logger = logging.getLogger("keyserial")
 
@@ -126,12 +128,14 @@ class _Watch:
             self.queue._slow_turn,
         )
 
-    async def run(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+    async def run(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn`` as the watched call's turn."""
         self.start()
         return await fn(*args, **kwargs)
 
-    async def run_and_finish(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+    async def run_and_finish(
+        self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
         """Run ``fn`` as the watched call's turn, and report its end before the turn ends.
 
         For ``submit``: the caller awaiting the task then resumes after ``on_finish``, even
@@ -190,10 +194,11 @@ class ObservedQueue(KeyedSerialQueue):
             logger.exception("keyserial: observer %r failed in %s", self._observer, hook)
 
     async def run(
-        self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> T:
         watch = _Watch(self, key, _name(fn))
-        return await watch.watch(super().run(key, watch.run, fn, *args, **kwargs))
+        turn = super().run(key, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
+        return await watch.watch(turn)
 
     async def call(
         self,
@@ -209,11 +214,11 @@ class ObservedQueue(KeyedSerialQueue):
         return await watch.watch(call)
 
     def submit(
-        self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> asyncio.Task[T]:
         watch = _Watch(self, key, _name(fn))
         try:
-            task = super().submit(key, watch.run_and_finish, fn, *args, **kwargs)
+            task = super().submit(key, watch.run_and_finish, fn, *args, **kwargs)  # type: ignore[arg-type]
         except BaseException as exc:
             watch.finish(exc)
             raise
@@ -229,23 +234,24 @@ class ObservedQueue(KeyedSerialQueue):
     async def run_all(
         self,
         keys: Iterable[Hashable],
-        fn: Callable[..., Awaitable[T]],
+        fn: Callable[P, Awaitable[T]],
         /,
-        *args: Any,
-        **kwargs: Any,
+        *args: P.args,
+        **kwargs: P.kwargs,
     ) -> T:
         keys = tuple(keys)
         watch = _Watch(self, keys, _name(fn))
-        return await watch.watch(super().run_all(keys, watch.run, fn, *args, **kwargs))
+        turn = super().run_all(keys, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
+        return await watch.watch(turn)
 
     def lock(
         self, key: Hashable, timeout: float | None = None, group: Hashable | None = None
-    ) -> _KeyLock:
-        return _ObservedLock(self, key, super().lock(key, timeout, group))  # type: ignore[return-value]
+    ) -> KeyLock:
+        return _ObservedLock(self, key, super().lock(key, timeout, group))
 
-    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> _KeysLock:
+    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
         keys = tuple(keys)
-        return _ObservedLock(self, keys, super().lock_all(keys, timeout))  # type: ignore[return-value]
+        return _ObservedLock(self, keys, super().lock_all(keys, timeout))
 
     def stats(self) -> QueueStats:
         """As :meth:`KeyedSerialQueue.stats`, with every running turn timed exactly."""
@@ -265,7 +271,7 @@ class _ObservedLock:
 
     __slots__ = ("_inner", "_key", "_queue", "_watch")
 
-    def __init__(self, queue: ObservedQueue, key: Hashable, inner: _KeyLock | _KeysLock) -> None:
+    def __init__(self, queue: ObservedQueue, key: Hashable, inner: KeyLock) -> None:
         self._queue = queue
         self._key = key
         self._inner = inner

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping
 from contextvars import Token
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import redis.asyncio as redis_asyncio
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -28,12 +28,14 @@ from . import _redis_scripts as scripts
 from ._errors import LeaseLost
 from ._fence import enter_lock_block, exit_lock_block, register_turn_code
 from ._loops import drop_closed_loops
+from ._protocols import KeyLock
 from ._queue import KeyedSerialQueue
 from ._redis_commands import LuaScript, ScriptRunner
 
 __all__ = ["RedisKeyedQueue", "RedisUnavailable", "encode_key"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 Task = asyncio.Task[Any]
 
 logger = logging.getLogger("keyserial")
@@ -438,7 +440,7 @@ class RedisKeyedQueue:
         return result
 
     def run(
-        self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> Coroutine[Any, Any, T]:
         """Run ``await fn(*args, **kwargs)`` once this call holds ``key``'s turn in Redis.
 
@@ -476,13 +478,13 @@ class RedisKeyedQueue:
         )
 
     def submit(
-        self, key: Hashable, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> asyncio.Task[T]:
         """Start :meth:`run` as a new task, registered in this process before returning."""
         encoded = encode_key(key)
         return self._local.submit(encoded, self._turn, encoded, fn, args, kwargs, None)
 
-    def lock(self, key: Hashable, timeout: float | None = None) -> _RedisLock:
+    def lock(self, key: Hashable, timeout: float | None = None) -> KeyLock:
         """Hold ``key``'s turn for the body of an ``async with`` block."""
         return _RedisLock(self, encode_key(key), timeout)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import pickle
 from collections.abc import Awaitable, Callable
@@ -212,6 +213,24 @@ async def test_bad_key_specifications_fail_at_decoration() -> None:
         serialized(key=42)(fn)  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="timeout"):
         serialized(key="seg_id", timeout=-1)(fn)
+    with pytest.raises(TypeError, match=r"by keyword: write @serialized\(key='seg_id'\)"):
+        serialized("seg_id")  # type: ignore[call-overload]
+
+
+async def test_a_key_function_that_cannot_take_the_calls_arguments_is_refused_at_decoration() -> (
+    None
+):
+    class Service:
+        async def finalize(self, seg_id: str, text: str = "") -> None:
+            return None
+
+    with pytest.raises(TypeError, match=r"key function .*\(seg_id\) cannot take the arguments"):
+        serialized(key=lambda seg_id: seg_id)(Service.finalize)  # forgot self
+    with pytest.raises(TypeError, match="self or cls included"):
+        serialized(key=lambda self, seg_id, text: seg_id)(Service.finalize)  # text has a default
+    # These fit every call.
+    serialized(key=lambda self, seg_id, *rest, **named: seg_id)(Service.finalize)
+    serialized(key=lambda self, seg_id, text="": seg_id)(Service.finalize)
 
 
 async def test_key_failures_raise_from_the_call_naming_the_function() -> None:
@@ -235,7 +254,7 @@ async def test_key_failures_raise_from_the_call_naming_the_function() -> None:
     with pytest.raises(TypeError, match="failing_key") as info:
         _ = failing_key({})
     assert isinstance(info.value.__cause__, KeyError)
-    with pytest.raises(TypeError, match=r"needs_seg.*missing argument 'seg_id'"):
+    with pytest.raises(TypeError, match=r"needs_seg\(\) missing required argument: 'seg_id'"):
         _ = needs_seg()  # type: ignore[call-arg]
     assert len(default_queue()) == 0
 
@@ -270,3 +289,35 @@ async def test_calling_registers_only_when_awaited() -> None:
     unawaited = work("b")
     unawaited.close()
     assert len(default_queue()) == 0
+
+
+async def test_coroutines_and_tasks_carry_the_users_function_name() -> None:
+    queue = KeyedSerialQueue()
+
+    @serialized(key="seg_id", queue=queue)
+    async def save_partial(seg_id: str) -> None:
+        return None
+
+    pending = save_partial("a")
+    assert "save_partial" in repr(pending)
+    assert getattr(pending, "__qualname__").endswith("save_partial")  # noqa: B009
+    pending.close()
+    gate = asyncio.Event()
+
+    async def finalize_later(seg_id: str) -> None:
+        await gate.wait()
+
+    task = queue.submit("a", finalize_later, "a")
+    assert "finalize_later" in repr(task) and "execute" not in repr(task)
+    gate.set()
+    await task
+
+
+async def test_a_never_awaited_call_names_the_decorated_function() -> None:
+    @serialized(key="seg_id")
+    async def save_partial(seg_id: str) -> None:
+        return None
+
+    with pytest.warns(RuntimeWarning, match=r"coroutine '.*save_partial' was never awaited"):
+        save_partial("a")  # type: ignore[unused-coroutine]
+        gc.collect()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import Awaitable, Callable
 
 import pytest
 
-from keyserial import KeyedSerialQueue, default_queue
+from keyserial import KeyedSerialQueue, default_queue, serialized
 
 from .scheduling import settle
 
@@ -186,3 +187,35 @@ def test_threads_with_their_own_loops_share_a_queue() -> None:
     assert sorted(r[0] for r in results) == [0, 1000, 2000, 3000]
     for out in results:
         assert out == list(range(out[0], out[0] + 200))
+
+
+def test_under_trio_the_error_says_keyserial_needs_asyncio() -> None:
+    import trio
+
+    queue = KeyedSerialQueue()
+
+    @serialized(key="k", queue=queue)
+    async def decorated(k: str) -> None:
+        return None
+
+    async def noop() -> None:
+        return None
+
+    async def under_trio() -> list[str]:
+        attempts: list[Callable[[], Awaitable[None]]] = [
+            lambda: queue.run("k", noop),
+            lambda: decorated("k"),
+            queue.join,
+        ]
+        messages = []
+        for attempt in attempts:
+            with pytest.raises(RuntimeError) as info:
+                await attempt()
+            messages.append(str(info.value))
+        with pytest.raises(RuntimeError) as info:
+            queue.submit("k", noop)
+        messages.append(str(info.value))
+        return messages
+
+    for message in trio.run(under_trio):
+        assert "keyserial needs an asyncio event loop, but this code runs under trio" in message

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from keyserial import KeyedSerialQueue, serialized
+from keyserial import KeyedSerialQueue, KeyLock, serialized
 
 if TYPE_CHECKING:
     from typing_extensions import assert_type
@@ -45,8 +45,16 @@ async def check() -> None:
     assert_type(queue.pending("k"), int)
     async with queue.lock("k", timeout=1.0):
         pass
+    assert_type(queue.lock("k"), KeyLock)
+    assert_type(queue.lock_all(["a", "b"]), KeyLock)
+    assert_type(await queue.run_all(["a", "b"], save, "a", 2), float)
     # Wrong calls must still be type errors (strict mode also fails on unused ignores).
     if TYPE_CHECKING:
         _ = save("a")  # type: ignore[call-arg]
         _ = save("a", "not an int")  # type: ignore[arg-type]
         _ = Service().finalize(1)  # type: ignore[arg-type]
+        # The queue's own entry points check the function's arguments too.
+        _ = queue.run("k", save, "a")  # type: ignore[call-arg]
+        _ = queue.run("k", save, "a", "not an int")  # type: ignore[arg-type]
+        _ = queue.submit("k", no_key)  # type: ignore[call-arg]
+        _ = queue.run_all(["k"], no_key, "x")  # type: ignore[arg-type]

@@ -1,0 +1,70 @@
+"""What the decorator and the documentation promise about any queue: the shared protocols.
+
+Every queue of keyserial — the in-process ``KeyedSerialQueue`` and the distributed ones —
+implements :class:`SerialQueue`; those that can hold several keys at once also implement
+:class:`MultiKeySerialQueue`. ``lock()`` and ``lock_all()`` return a :class:`KeyLock`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
+from types import TracebackType
+from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class KeyLock(Protocol):
+    """What ``lock()`` and ``lock_all()`` return: an async context manager holding turns.
+
+    Entering waits for the turn (or turns) and holds it for the block; leaving the block,
+    whether it returned or raised, gives the turn on. One object is entered once at a time.
+    """
+
+    async def __aenter__(self) -> None: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None: ...
+
+
+class SerialQueue(Protocol):
+    """What ``@serialized`` needs from a queue: run one call in a key's turn.
+
+    [KeyedSerialQueue][keyserial.KeyedSerialQueue] implements it, and so do
+    the distributed backends.
+    """
+
+    def run(
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Coroutine[Any, Any, T]:
+        """Return a coroutine running ``fn(*args, **kwargs)`` in ``key``'s turn."""
+        ...
+
+    def call(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+        group: Hashable | None = None,
+    ) -> Coroutine[Any, Any, T]:
+        """Like ``run``, with the arguments as a tuple and a dict, as a decorator holds them.
+
+        ``timeout`` bounds the wait for the turn, ``group`` makes the call coalescing.
+        """
+        ...
+
+
+@runtime_checkable
+class MultiKeySerialQueue(SerialQueue, Protocol):
+    """A queue that can also hold several keys at once (``@serialized(keys=...)`` needs it)."""
+
+    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
+        """Hold the turns of all ``keys`` for the body of an ``async with`` block."""
+        ...
