@@ -1,32 +1,70 @@
-"""Property test: thousands of interleaved calls with failures, cancellations and timeouts."""
+"""Property test: interleaved calls with failures, cancellations and timeouts, drawn by hypothesis.
+
+The schedule itself is drawn, so a failing one shrinks to a minimal list of calls.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import random
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keyserial import KeyedSerialQueue, Superseded
+
+from .loops import LoopFactory, run_on
 
 
 class Boom(Exception):
     """The failure a call raises on purpose; carries the call id."""
 
 
-async def run_schedule(seed: int, calls: int, keys: int, multi_key: bool = False) -> None:
-    rng = random.Random(seed)
+class Call(NamedTuple):
+    """One call of a schedule, and what happens around it."""
+
+    kind: str  # "run", "submit", "call" (timeout and coalescing) or "multi" (run_all)
+    keys: tuple[int, ...]  # one key, or several for "multi"
+    steps: int  # times the body yields
+    fails: bool
+    timeout: float | None
+    group: str | None
+    cancel: int | None  # then cancel the call at this index (modulo the calls so far)
+    pause: float | None  # then let the loop run: one step (0) or a short sleep
+
+
+@st.composite
+def schedules(draw: st.DrawFn, multi_key: bool = False) -> tuple[int, list[Call]]:
+    """A key count and a list of calls; hypothesis shrinks a failing one to a minimal one."""
+    keys = draw(st.sampled_from([2, 3, 8, 50] if multi_key else [1, 3, 20, 200]))
+    key = st.integers(0, keys - 1)
+    kinds = ["run", "run", "submit", "call"] + (["multi"] if multi_key else [])
+    call = st.builds(
+        Call,
+        kind=st.sampled_from(kinds),
+        keys=st.lists(key, min_size=1, max_size=3, unique=True).map(tuple),
+        steps=st.sampled_from([0, 0, 1, 2, 5]),
+        fails=st.sampled_from([False, False, False, True]),
+        timeout=st.sampled_from([None, None, 0.0, 0.0005, 10.0]),
+        group=st.sampled_from([None, None, "coalesced"]),
+        cancel=st.none() | st.none() | st.none() | st.integers(0, 10_000),
+        pause=st.sampled_from([None, None, None, 0, 0, 0.0002]),
+    )
+    return keys, draw(st.lists(call, min_size=1, max_size=400))
+
+
+async def run_schedule(keys: int, schedule: list[Call]) -> None:
     queue = KeyedSerialQueue()
+    # With eager tasks a task registers inside create_task(), like submit(); otherwise at its
+    # first step, after the submits of the same loop iteration.
+    eager = asyncio.get_running_loop().get_task_factory() is not None
     active: dict[int, int] = defaultdict(int)
     starts: dict[int, list[int]] = defaultdict(list)
     registrations: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     overlaps: list[tuple[int, int]] = []
 
-    async def body(call_id: int, key: int | tuple[int, ...], steps: int, fail: bool) -> int:
-        held = key if isinstance(key, tuple) else (key,)
+    async def body(call_id: int, held: tuple[int, ...], steps: int, fail: bool) -> int:
         for k in held:
             active[k] += 1
             if active[k] != 1:
@@ -44,34 +82,28 @@ async def run_schedule(seed: int, calls: int, keys: int, multi_key: bool = False
 
     tasks: list[asyncio.Task[Any]] = []
     epoch = 0
-    for call_id in range(calls):
-        key: int | tuple[int, ...] = rng.randrange(keys)
-        kind = rng.random()
-        if multi_key and kind > 0.75:
-            key = tuple(rng.sample(range(keys), min(keys, rng.choice([2, 3]))))
-        args = (call_id, key, rng.choice([0, 0, 1, 2, 5]), rng.random() < 0.2)
-        if isinstance(key, tuple):
-            tasks.append(asyncio.create_task(queue.run_all(key, body, *args)))
-            for k in key:
-                registrations[k].append((epoch, 1, call_id))
-        elif kind < 0.3:
-            tasks.append(queue.submit(key, body, *args))
+    for call_id, call in enumerate(schedule):
+        kind = call.kind
+        held = call.keys if kind == "multi" else call.keys[:1]
+        args = (call_id, held, call.steps, call.fails)
+        order = 0 if eager else 1  # a task registers at its first step
+        if kind == "multi":
+            tasks.append(asyncio.create_task(queue.run_all(held, body, *args)))
+        elif kind == "submit":
+            tasks.append(queue.submit(held[0], body, *args))
             order = 0  # registers now
-        elif kind < 0.45:
-            timeout = rng.choice([0.0, 0.0005, 10.0])
-            group = rng.choice([None, None, "coalesced"])
-            tasks.append(asyncio.create_task(queue.call(key, body, args, {}, timeout, group)))
-            order = 1  # registers at the task's first step, after this epoch's submits
+        elif kind == "call":
+            coroutine = queue.call(held[0], body, args, {}, call.timeout, call.group)
+            tasks.append(asyncio.create_task(coroutine))
         else:
-            tasks.append(asyncio.create_task(queue.run(key, body, *args)))
-            order = 1
-        if not isinstance(key, tuple):
-            registrations[key].append((epoch, order, call_id))
-        if rng.random() < 0.08:
-            rng.choice(tasks).cancel()
-        if rng.random() < 0.3:
+            tasks.append(asyncio.create_task(queue.run(held[0], body, *args)))
+        for k in held:
+            registrations[k].append((epoch, order, call_id))
+        if call.cancel is not None:
+            tasks[call.cancel % len(tasks)].cancel()
+        if call.pause is not None:
             epoch += 1
-            await asyncio.sleep(rng.choice([0, 0, 0, 0.0002]))
+            await asyncio.sleep(call.pause)
 
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     started = {call_id for ids in starts.values() for call_id in ids}
@@ -93,22 +125,31 @@ async def run_schedule(seed: int, calls: int, keys: int, multi_key: bool = False
     assert len(queue) == 0
 
 
-@settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), keys=st.sampled_from([1, 3, 20, 200]))
-def test_random_schedules_keep_the_contract(seed: int, keys: int) -> None:
+def check(loop_factory: LoopFactory, keys: int, schedule: list[Call]) -> None:
     async def guarded() -> None:
         # A deadlock must fail this example (so that hypothesis can shrink it), not hang.
-        await asyncio.wait_for(run_schedule(seed, calls=1500, keys=keys), timeout=30)
+        await asyncio.wait_for(run_schedule(keys, schedule), timeout=30)
 
-    asyncio.run(guarded())
+    run_on(loop_factory, guarded())
 
 
-@settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), keys=st.sampled_from([2, 3, 8, 50]))
-def test_random_multi_key_schedules_keep_the_contract(seed: int, keys: int) -> None:
-    async def guarded() -> None:
-        await asyncio.wait_for(
-            run_schedule(seed, calls=1500, keys=keys, multi_key=True), timeout=30
-        )
+# The loop factory is a plain function chosen per test, the same for every example.
+_SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
-    asyncio.run(guarded())
+
+@_SETTINGS
+@given(drawn=schedules())
+def test_random_schedules_keep_the_contract(
+    loop_factory: LoopFactory, drawn: tuple[int, list[Call]]
+) -> None:
+    check(loop_factory, *drawn)
+
+
+@_SETTINGS
+@given(drawn=schedules(multi_key=True))
+def test_random_multi_key_schedules_keep_the_contract(
+    loop_factory: LoopFactory, drawn: tuple[int, list[Call]]
+) -> None:
+    check(loop_factory, *drawn)
