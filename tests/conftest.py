@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
 
 import pytest
+import pytest_asyncio
+import redis.asyncio as redis
 
 from .loops import LOOP_FACTORIES, LoopFactory
+from .redis_helpers import Clients
 from .redis_server import RedisServer, redis_server_binary
 
 
@@ -30,3 +34,17 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest_asyncio.fixture
+async def clients(redis_server: RedisServer) -> AsyncIterator[Clients]:
+    """Makes Redis clients for the test's server (one per simulated process), closed after."""
+    made: list[redis.Redis] = []
+
+    def make(**options: Any) -> redis.Redis:
+        made.append(redis.Redis.from_url(redis_server.url, **options))
+        return made[-1]
+
+    yield make
+    for client in made:
+        await client.aclose()

@@ -24,6 +24,13 @@ def redis_server_binary() -> str:
     return binary
 
 
+def _debug_command_option(binary: str) -> list[str]:
+    """Redis 7 refuses DEBUG (the tests' way to stall it) unless allowed, here from loopback."""
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    major = int(version.split("v=")[1].split(".")[0]) if "v=" in version else 0
+    return ["--enable-debug-command", "local"] if major >= 7 else []
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -48,7 +55,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        cluster = []
+        cluster = [*_debug_command_option(self.binary)]
         if self.cluster:  # the bus port is port + 10000 unless given: pick a free one
             cluster = ["--cluster-enabled", "yes", "--cluster-port", str(free_port())]
         self.process = subprocess.Popen(
@@ -84,10 +91,20 @@ class RedisServer:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=10)
 
+    def pause(self) -> None:
+        """Stop the server process (SIGSTOP): connections stay open, nothing is answered."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGCONT)
+
     def restart(self) -> None:
         self.kill()
         self.start()
 
     def close(self) -> None:
+        self.resume()
         self.kill()
         shutil.rmtree(self.directory, ignore_errors=True)

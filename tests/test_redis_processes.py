@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from itertools import pairwise
 from pathlib import Path
+
+import redis
+
+from keyserial import _redis_scripts
+from keyserial._redis_commands import LuaScript
 
 from .redis_server import RedisServer
 
@@ -17,6 +23,7 @@ def test_four_processes_twenty_keys_no_overlap_fifo_exactly_once(
 ) -> None:
     log = tmp_path / "calls.log"
     processes, calls, keys = 4, 150, 20
+    arrivals = Arrivals(redis_server.url)
     command = [sys.executable, "-m", "tests.redis_worker", redis_server.url, "log", str(log)]
     workers = [
         subprocess.Popen(
@@ -36,18 +43,62 @@ def test_four_processes_twenty_keys_no_overlap_fifo_exactly_once(
             if worker.poll() is None:
                 worker.kill()
                 worker.wait()
+        arrivals.stop()
     records = [line.split() for line in log.read_text().splitlines()]
     # Every call ran exactly once.
     assert len(records) == processes * calls
     assert len({(pid, call) for _, pid, call, *_ in records}) == processes * calls
     assert len({pid for _, pid, *_ in records}) == processes
-    by_key: dict[str, list[tuple[int, int, int, int]]] = {}
-    for key, _, _, ticket_text, fence_text, started, ended in records:
-        arrival = int(ticket_text.partition("@")[0])  # "<n>@<listener>": n is the arrival order
-        by_key.setdefault(key, []).append((int(started), int(ended), arrival, int(fence_text)))
+    by_key: dict[str, list[tuple[int, int, str, int]]] = {}
+    for key, _, _, ticket, fence_text, started, ended in records:
+        by_key.setdefault(key, []).append((int(started), int(ended), ticket, int(fence_text)))
     for key, turns in by_key.items():
         turns.sort()
-        for (_, end, ticket, fence), (start, _, later_ticket, later_fence) in pairwise(turns):
+        for (_, end, _, fence), (start, _, _, later_fence) in pairwise(turns):
             assert end <= start, f"{key}: two calls overlapped"
-            assert ticket < later_ticket, f"{key}: tickets were not granted in FIFO order"
             assert fence < later_fence, f"{key}: fences did not increase"
+        # Turns were granted in the order the requests reached Redis, whatever the process.
+        granted = [ticket for _, _, ticket, _ in turns]
+        arrived = [ticket for ticket in arrivals.tickets_of(key) if ticket in set(granted)]
+        assert granted == arrived, f"{key}: turns were not granted in arrival order"
+
+
+class Arrivals:
+    """The tickets of ACQUIRE requests in the order Redis executed them, read with MONITOR."""
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.sha = LuaScript(_redis_scripts.ACQUIRE).sha
+        self.client.script_load(_redis_scripts.ACQUIRE)  # so that every request is an EVALSHA
+        self.commands: list[str] = []
+        self.monitor = self.client.monitor()
+        self.monitor.connection.send_command("MONITOR")  # type: ignore[no-untyped-call]
+        self.monitor.connection.read_response()  # "OK": watching from here on
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                command = self.monitor.next_command()["command"]
+                if command.startswith("EVALSHA"):
+                    self.commands.append(command)
+        except Exception:  # the connection closed: stop()
+            return
+
+    def stop(self) -> None:
+        self.monitor.connection.disconnect()
+        self.thread.join(timeout=10)
+        self.client.close()
+
+    def tickets_of(self, key: str) -> list[str]:
+        """The ACQUIRE tickets of ``key``, in execution order."""
+        from keyserial.redis import encode_key
+
+        marker = f":{encode_key(key)}}}"
+        tickets = []
+        for command in self.commands:
+            parts = command.split()
+            if parts[0] == "EVALSHA" and parts[1] == self.sha and parts[3].endswith(marker):
+                tickets.append(parts[5])
+        return tickets

@@ -28,6 +28,10 @@ from ._loops import drop_closed_loops
 #: ``max_connections``, so that the pool still serves its other users; more go back to the
 #: pool when their call ends.
 MAX_IDLE_CONNECTIONS = 32
+#: Script calls in flight at once per event loop: at most this many, and at most half of the
+#: pool's ``max_connections`` less the grant listener's one. More calls wait for a slot
+#: instead of failing with the pool's "Too many connections".
+MAX_CONNECTIONS_IN_USE = 32
 
 
 def _bulk(part: bytes | str | int) -> bytes:
@@ -54,13 +58,14 @@ class LuaScript:
 
 
 class _IdleConnections(list[Any]):
-    """One loop's idle connections, most recently used last."""
+    """One loop's idle connections, most recently used last, and its slots for calls."""
 
-    __slots__ = ("open",)
+    __slots__ = ("open", "slots")
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int) -> None:
         super().__init__()
         self.open = True
+        self.slots = asyncio.Semaphore(budget)
 
 
 class ScriptRunner:
@@ -79,13 +84,15 @@ class ScriptRunner:
     def __init__(self, client: Any) -> None:
         self._client = client
         self._pool: Any = getattr(client, "connection_pool", None)
+        bound = getattr(self._pool, "max_connections", None) or MAX_IDLE_CONNECTIONS * 4
+        #: Script calls in flight at once per loop (see MAX_CONNECTIONS_IN_USE).
+        self.budget = max(1, min(MAX_CONNECTIONS_IN_USE, (bound - 1) // 2))
         if isinstance(self._pool, BlockingConnectionPool):
             # A call waiting in such a pool for a free connection would not see one kept
             # here: every connection goes back to the pool after its call.
             self._max_idle = 0
         else:
-            bound = getattr(self._pool, "max_connections", None) or MAX_IDLE_CONNECTIONS * 4
-            self._max_idle = min(MAX_IDLE_CONNECTIONS, bound // 4)
+            self._max_idle = min(MAX_IDLE_CONNECTIONS, bound // 4, self.budget)
         self._idle: dict[asyncio.AbstractEventLoop, _IdleConnections] = {}
         # redis-py's own script helpers, for a client whose connections are not ours to keep.
         self._helpers: dict[str, Any] = {}
@@ -99,6 +106,17 @@ class ScriptRunner:
             return await helper(keys=[key], args=args)
         idle = self._idle_connections()
         command = pack("EVALSHA", script.sha, 1, key, *args)
+        async with idle.slots:
+            return await self._send(idle, command, script, key, args)
+
+    async def _send(
+        self,
+        idle: _IdleConnections,
+        command: bytes,
+        script: LuaScript,
+        key: str,
+        args: tuple[str | int, ...],
+    ) -> Any:
         while True:
             reused = bool(idle)
             connection = idle.pop() if reused else await self._pool.get_connection()
@@ -136,7 +154,7 @@ class ScriptRunner:
         idle = self._idle.get(loop)
         if idle is None:
             drop_closed_loops(self._idle)
-            idle = self._idle[loop] = _IdleConnections()
+            idle = self._idle[loop] = _IdleConnections(self.budget)
         return idle
 
     async def close(self) -> None:

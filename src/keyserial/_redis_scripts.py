@@ -6,14 +6,17 @@ a hash tag, so every part lives in the base's slot and the scripts also run on R
 Cluster. One name instead of five also keeps each call short: a hand-off sends two scripts,
 and each argument is one more to encode, send and parse. Per user key:
 
-* ``<base>:tickets`` — counter handing out tickets in arrival order (it expires an hour
-  after it was created, and starts again);
-* ``<base>:queue`` — list of waiting tickets, oldest first. A ticket is ``"<n>@<listener>"``:
-  it names the grant listener of the process that waits for it, and the grant is
-  published on that listener's channel ``keyserial:grants:<listener>`` alone;
-* ``<base>:alive`` — sorted set: waiting ticket -> time (ms) until which its waiter is alive;
+* ``<base>:queue`` — list of waiting tickets, oldest first. A ticket is ``"<n>@<listener>"``,
+  made by the waiting process: ``n`` counts that listener's tickets and the listener is a
+  random name of one process's event loop, so a ticket never repeats, whatever Redis forgets.
+  The grant is published on the listener's channel ``keyserial:grants:<listener>`` alone;
+* ``<base>:alive`` — sorted set: waiting ticket -> time (ms) until which its waiter is alive
+  (two leases after its last poll, so a live waiter keeps its place through a stall of the
+  server shorter than five thirds of a lease);
 * ``<base>:holder`` — ``"<ticket>:<fence>"`` of the current turn, expiring with its lease;
-* ``<base>:fence`` — the last fence handed out, kept for an hour after it.
+* ``<base>:fence`` — the last fence handed out, kept for an hour after it;
+* ``<base>:gone:<ticket>`` — a ticket withdrawn before its registration reached Redis (the
+  waiter timed out or was cancelled while Redis stalled): the late registration is refused.
 
 The queue and the heartbeats disappear when empty, or an hour after the last waiter registered
 or polled (all its waiters died), and the holder with its lease, so an unused key leaves
@@ -30,12 +33,14 @@ from __future__ import annotations
 # and makes as few calls as it can.
 _GRANT = """
 local base = KEYS[1]
-local TICKETS, QUEUE, ALIVE = base .. ':tickets', base .. ':queue', base .. ':alive'
+local QUEUE, ALIVE = base .. ':queue', base .. ':alive'
 local HOLDER, FENCE = base .. ':holder', base .. ':fence'
 -- How long a key's counters outlive its last grant, so that Redis keeps nothing for keys
 -- that are no longer used. Safe to lose: a fence is never below the clock, and tickets are
--- unique with their listener while the key is in use.
+-- made unique by their processes.
 local RETAIN_MS = 3600000
+-- A waiter's heartbeat lasts this many leases after its last poll (it polls every third).
+local ALIVE_LEASES = 2
 
 local function grant(ticket, t, lease_ms)
   -- The clock in µs is the fence unless it is not above the last one (a clock step back,
@@ -92,32 +97,30 @@ local function holds(holder, ticket)
 end
 """
 
-# ARGV: lease_ms (of the turn, and of a waiter's heartbeat), listener -> {ticket, fence or ''}
+# ARGV: lease_ms, ticket -> fence if granted at once, '' if queued, '-' if it was withdrawn
 ACQUIRE = (
     _GRANT
     + """
-local lease_ms = tonumber(ARGV[1])
-local number = redis.call('INCR', TICKETS)
-if number == 1 then
-  redis.call('PEXPIRE', TICKETS, RETAIN_MS)
+local lease_ms, ticket = tonumber(ARGV[1]), ARGV[2]
+if redis.call('EXISTS', base .. ':gone:' .. ticket) == 1 then
+  return '-'
 end
-local ticket = number .. '@' .. ARGV[2]
 local t = redis.call('TIME')
 local held = redis.call('EXISTS', HOLDER) == 1
 if not held and redis.call('LLEN', QUEUE) == 0 then
-  return {ticket, grant(ticket, t, lease_ms)}
+  return grant(ticket, t, lease_ms)
 end
 redis.call('RPUSH', QUEUE, ticket)
-redis.call('ZADD', ALIVE, now_ms(t) + lease_ms, ticket)
+redis.call('ZADD', ALIVE, now_ms(t) + ALIVE_LEASES * lease_ms, ticket)
 retain_waiters()
 if not held then
   -- The holder's lease ran out with tickets waiting: serve them first.
   local fence = advance(t, ticket, lease_ms)
   if fence then
-    return {ticket, fence}
+    return fence
   end
 end
-return {ticket, ''}
+return ''
 """
 )
 
@@ -135,7 +138,7 @@ if not redis.call('LPOS', QUEUE, ticket) then
   return {'lost', ''}
 end
 local t = redis.call('TIME')
-redis.call('ZADD', ALIVE, 'XX', now_ms(t) + lease_ms, ticket)
+redis.call('ZADD', ALIVE, 'XX', now_ms(t) + ALIVE_LEASES * lease_ms, ticket)
 retain_waiters()
 if not holder then
   local fence = advance(t, ticket, lease_ms)
@@ -148,7 +151,9 @@ return {'waiting', ''}
 )
 
 # ARGV: ticket, lease_ms -> 1 if the ticket held the turn, else 0.
-# Either way the ticket leaves the queue and the next live waiter gets the turn.
+# Either way the ticket leaves the queue and the next live waiter gets the turn; a ticket
+# found nowhere may still be on its way (its registration delayed by a stall): it is marked
+# gone, so that its registration is refused when it arrives.
 RELEASE = (
     _GRANT
     + """
@@ -159,8 +164,11 @@ if holds(holder, ticket) then
   advance(nil, '', lease_ms)
   return 1
 end
-redis.call('LREM', QUEUE, 0, ticket)
+local removed = redis.call('LREM', QUEUE, 0, ticket)
 redis.call('ZREM', ALIVE, ticket)
+if removed == 0 then
+  redis.call('SET', base .. ':gone:' .. ticket, 1, 'PX', RETAIN_MS)
+end
 if not holder then
   advance(nil, '', lease_ms)
 end

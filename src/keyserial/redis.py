@@ -9,11 +9,11 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import itertools
 import logging
+import math
 import secrets
 import sys
-import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping
 from contextvars import Token
 from types import TracebackType
@@ -42,8 +42,10 @@ logger = logging.getLogger("keyserial")
 
 #: Encoded keys longer than this are replaced by their SHA-256, so Redis key names stay short.
 MAX_ENCODED_KEY = 200
-#: How many grant notifications are kept for waiters whose request has not returned yet.
-_EARLY_GRANTS = 1024
+#: Tuples in keys nest at most this deep.
+MAX_KEY_DEPTH = 32
+#: The shortest lease accepted, in seconds: a waiter polls every third of it.
+MIN_LEASE = 0.1
 
 
 class RedisUnavailable(ConnectionError):
@@ -59,16 +61,24 @@ class RedisUnavailable(ConnectionError):
     """
 
 
-def _serialize(key: object) -> bytes:
+def _serialize(key: object, depth: int = 0) -> bytes:
     if isinstance(key, str):
-        data = key.encode()
+        data = key.encode("utf-8", "surrogatepass")  # any str, lone surrogates included
         return b"s%d:%s" % (len(data), data)
     if isinstance(key, bytes):
         return b"b%d:%s" % (len(key), key)
     if isinstance(key, int):
-        return b"i%d;" % key
+        try:
+            return b"i%d;" % key
+        except ValueError:  # more digits than int() may print: hexadecimal has no such limit
+            return b"x%s;" % format(key, "x").encode()
     if isinstance(key, tuple):
-        return b"t%d:" % len(key) + b"".join(_serialize(item) for item in key)
+        if depth >= MAX_KEY_DEPTH:
+            raise ValueError(
+                f"RedisKeyedQueue keys are tuples nested at most {MAX_KEY_DEPTH} deep; "
+                "this key is nested deeper"
+            )
+        return b"t%d:" % len(key) + b"".join(_serialize(item, depth + 1) for item in key)
     raise TypeError(
         f"RedisKeyedQueue keys must be str, bytes, int or tuples of them, not {type(key).__name__}"
     )
@@ -85,6 +95,7 @@ def encode_key(key: object) -> str:
 
     Raises:
         TypeError: ``key`` is not a str, bytes, int or a tuple of them.
+        ValueError: tuples in ``key`` nest deeper than ``MAX_KEY_DEPTH``.
 
     Example:
         >>> encode_key("seg-1") != encode_key(b"seg-1")
@@ -108,41 +119,51 @@ class _Turn:
         self.lost = False
 
 
+#: Renews a turn's lease in Redis until a time: True if renewed, False if it was lost.
+Renew = Callable[["_Turn", float], Awaitable[bool]]
+
+
 class _LeaseKeeper:
     """Renews a turn's lease every third of it while its call runs; on loss, interrupts the call.
 
-    A timer, not a task, waits between renewals: a call shorter than a third of
-    the lease costs no renewal at all.
+    A timer, not a task, waits between renewals: a call shorter than a third of the
+    lease costs no renewal at all. Each renewal is bounded by what is left of the lease:
+    a Redis that does not answer by then has let the lease expire, and the turn is lost.
     """
 
-    __slots__ = ("expires", "queue", "renewal", "task", "timer", "turn")
+    __slots__ = ("expires", "lease", "loop", "renew", "renewal", "task", "timer", "turn")
 
-    def __init__(self, queue: RedisKeyedQueue, turn: _Turn, task: Task) -> None:
-        self.queue = queue
+    def __init__(self, turn: _Turn, task: Task, lease: float, renew: Renew) -> None:
         self.turn = turn
         self.task = task
-        self.expires = time.monotonic() + queue._lease
+        self.lease = lease
+        self.renew = renew
+        self.loop = asyncio.get_running_loop()
+        self.expires = self.loop.time() + lease
         self.renewal: Task | None = None
-        self.timer = asyncio.get_running_loop().call_later(queue._lease / 3, self._due)
+        self.timer = self.loop.call_later(lease / 3, self._due)
+
+    def expired(self) -> bool:
+        """Whether the lease may have run out: no renewal was confirmed within it."""
+        return self.loop.time() >= self.expires
 
     def _due(self) -> None:
-        self.renewal = asyncio.get_running_loop().create_task(self._renew())
+        self.renewal = self.loop.create_task(self._renew())
 
     async def _renew(self) -> None:
-        queue, turn = self.queue, self.turn
+        asked = self.loop.time()
         try:
-            renewed = await queue._script(
-                queue._renew_script, turn.base, f"{turn.ticket}:{turn.fence}", queue._lease_ms
-            )
-        except RedisUnavailable:
-            renewed = time.monotonic() < self.expires  # the lease may still hold: retry
-        else:
-            if renewed:
-                self.expires = time.monotonic() + queue._lease
+            renewed: bool | None = await self.renew(self.turn, self.expires)
+        except (RedisUnavailable, TimeoutError):
+            renewed = None  # not confirmed: the lease may still hold
         if renewed:
-            self.timer = asyncio.get_running_loop().call_later(queue._lease / 3, self._due)
+            self.expires = asked + self.lease
+        if renewed or (renewed is None and not self.expired()):
+            # Renewed: again in a third of the lease. Not confirmed: try again soon.
+            delay = self.lease / 3 if renewed else min(self.lease / 10, 0.5)
+            self.timer = self.loop.call_later(delay, self._due)
             return
-        turn.lost = True
+        self.turn.lost = True
         self.task.cancel(msg="keyserial: lease lost")
 
     def stop(self) -> None:
@@ -156,53 +177,68 @@ def _time_up(granted: asyncio.Future[int | None]) -> None:
         granted.set_result(None)
 
 
+def _text(value: object) -> str:
+    """A reply as text, from a client with or without ``decode_responses``."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class _Subscriber:
-    """One event loop's subscription to its own grant channel.
+    """One event loop's subscription to its own grant channel, and the tickets it waits for.
 
     Its tickets name it (``<n>@<listener>``), so Redis publishes their grants on this
-    channel alone, and no process reads the grants of another.
+    channel alone, and no process reads the grants of another. A ticket is registered here
+    before its request is sent and forgotten once its wait ends: a grant for a ticket not
+    registered (its waiter gave up, or the message was never Redis's) is dropped, and since
+    tickets never repeat, no grant can ever be taken by a later wait.
     """
 
-    def __init__(self, queue: RedisKeyedQueue) -> None:
-        self.queue = queue
+    def __init__(self, client: redis_asyncio.Redis | redis_asyncio.RedisCluster) -> None:
+        self.client = client
         self.listener = secrets.token_hex(8)
         self.channel = f"keyserial:grants:{self.listener}"
-        self.waiting: dict[tuple[str, str], asyncio.Future[int | None]] = {}
-        self.early: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.numbers = itertools.count(1)
+        # ticket -> None (no grant yet), its fence (granted), or the future of its wait
+        self.waiting: dict[str, int | asyncio.Future[int | None] | None] = {}
         self.ready = asyncio.get_running_loop().create_future()
         self.task = asyncio.get_running_loop().create_task(self._listen())
 
-    def expect(self, base: str, ticket: str) -> asyncio.Future[int | None]:
+    def new_ticket(self) -> str:
+        ticket = f"{next(self.numbers)}@{self.listener}"
+        self.waiting[ticket] = None
+        return ticket
+
+    def expect(self, ticket: str) -> asyncio.Future[int | None]:
         """A future set to the ticket's fence when its grant arrives (None: time to poll)."""
         future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
-        fence = self.early.pop((base, ticket), None)
-        if fence is not None:
+        fence = self.waiting.get(ticket)
+        if type(fence) is int:
             future.set_result(fence)
         else:
-            self.waiting[(base, ticket)] = future
+            self.waiting[ticket] = future
         return future
 
-    def forget(self, base: str, ticket: str) -> None:
-        """Stop expecting the ticket's grant; a caller that still waits polls Redis next."""
-        self.waiting.pop((base, ticket), None)
-        self.early.pop((base, ticket), None)
+    def forget(self, ticket: str) -> None:
+        """The wait of ``ticket`` is over: later grants for it are dropped."""
+        self.waiting.pop(ticket, None)
 
-    def _deliver(self, message: bytes) -> None:
-        base, ticket, fence = message.decode().split("|")
-        future = self.waiting.pop((base, ticket), None)
-        if future is not None and not future.done():
-            future.set_result(int(fence))
-            return
-        # The grant may arrive before the request that registered the ticket returned, or
-        # just after the waiter's poll timer fired.
-        self.early[(base, ticket)] = int(fence)
-        while len(self.early) > _EARLY_GRANTS:
-            self.early.popitem(last=False)
+    def _deliver(self, message: bytes | str) -> None:
+        try:
+            _base, ticket, text = _text(message).split("|")
+            fence = int(text)
+        except ValueError:
+            return  # not a grant of ours
+        waiting = self.waiting.get(ticket, _NOT_WAITING)
+        if waiting is _NOT_WAITING:
+            return  # nobody waits for this ticket any more
+        if isinstance(waiting, asyncio.Future) and not waiting.done():
+            waiting.set_result(fence)
+        else:  # its request has not returned yet, or its poll timer just fired
+            self.waiting[ticket] = fence
 
     async def _listen(self) -> None:
         backoff = 0.05
         while True:
-            client = self.queue._client
+            client = self.client
             pubsub = None
             try:
                 pubsub = client.pubsub()
@@ -213,7 +249,7 @@ class _Subscriber:
                     self.ready.set_result(None)
                 backoff = 0.05
                 async for message in pubsub.listen():
-                    if message.get("type") == "message":
+                    if message.get("type") in ("message", b"message"):
                         self._deliver(message["data"])
             except Exception as exc:
                 # Waiters fall back to polling meanwhile; subscribe again once Redis is back.
@@ -229,6 +265,9 @@ class _Subscriber:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+_NOT_WAITING = object()
 
 
 class RedisKeyedQueue:
@@ -281,20 +320,32 @@ class RedisKeyedQueue:
         *,
         max_pending: int | None = None,
     ) -> None:
+        if not isinstance(client, (redis_asyncio.Redis, redis_asyncio.RedisCluster)):
+            raise TypeError(
+                "RedisKeyedQueue needs an asyncio client (redis.asyncio.Redis or "
+                f"redis.asyncio.RedisCluster), not {type(client).__module__}."
+                f"{type(client).__qualname__}"
+            )
         if not hasattr(client, "pubsub"):
             raise TypeError(
                 "RedisKeyedQueue needs a redis.asyncio client with pub/sub, not "
                 f"{type(client).__name__} (redis.asyncio.RedisCluster has it from redis-py 8.0)"
             )
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
-        if not lease > 0:
-            raise ValueError(f"lease must be a number of seconds > 0, got {lease!r}")
+        if not (isinstance(lease, (int, float)) and math.isfinite(lease) and lease >= MIN_LEASE):
+            raise ValueError(
+                f"lease must be a finite number of seconds >= {MIN_LEASE}, got {lease!r}"
+            )
         self._client = client
         self._namespace = base64.urlsafe_b64encode(namespace.encode()).decode().rstrip("=")
-        self._lease = lease
+        self._lease = float(lease)
         self._lease_ms = max(1, int(lease * 1000))
         self._poll = lease / 3
+        # How long a caller waits for its release before it goes on in the background.
+        self._release_wait = min(lease / 3, max(0.1, lease / 10))
         self._local = KeyedSerialQueue(max_pending=max_pending)
         self._scripts = ScriptRunner(client)
         self._acquire_script = LuaScript(scripts.ACQUIRE)
@@ -303,6 +354,13 @@ class RedisKeyedQueue:
         self._renew_script = LuaScript(scripts.RENEW)
         self._subscribers: dict[asyncio.AbstractEventLoop, _Subscriber] = {}
         self._held: dict[tuple[Task, str], _Turn] = {}
+        self._background: set[Task] = set()
+        self._policy_checked = False
+
+    @property
+    def lease(self) -> float:
+        """Seconds a turn is held without renewal."""
+        return self._lease
 
     # -- Redis operations -----------------------------------------------------------------
 
@@ -310,43 +368,116 @@ class RedisKeyedQueue:
         """The name the scripts derive the key's Redis keys from; its braces are a hash tag."""
         return f"keyserial:{{{self._namespace}:{encoded}}}"
 
-    async def _script(self, script: LuaScript, base: str, *args: str | int) -> Any:
+    async def _script(
+        self, script: LuaScript, base: str, *args: str | int, deadline: float | None = None
+    ) -> Any:
+        """Run ``script``; bounded by ``deadline`` (TimeoutError) and by a lease.
+
+        A Redis that does not answer within a lease (stalled, paused, cut off) raises
+        RedisUnavailable: no call waits on it for ever, whether or not it has a timeout.
+        """
+        loop = asyncio.get_running_loop()
+        limit = loop.time() + self._lease
+        times_out = deadline is not None and deadline <= limit
+        task: Task = asyncio.current_task()  # type: ignore[assignment]
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            task.cancel()
+
+        timer = loop.call_at(deadline if times_out else limit, expire)  # type: ignore[arg-type]
         try:
             return await self._scripts.call(script, base, *args)
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            if sys.version_info >= (3, 11):
+                task.uncancel()
+            if times_out:
+                raise TimeoutError(f"timed out waiting for the turn of {base!r}") from None
+            raise RedisUnavailable(
+                f"Redis did not answer within the lease ({self._lease} s)"
+            ) from None
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise RedisUnavailable(f"Redis is unreachable: {exc}") from exc
         except RedisError as exc:
             raise RedisUnavailable(f"Redis refused the request: {exc}") from exc
+        finally:
+            timer.cancel()
+
+    def _in_background(self, work: Coroutine[Any, Any, Any]) -> Task:
+        """Run ``work`` on its own, kept until it ends; its failure is only logged."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+        return task
+
+    def _background_done(self, task: Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.debug("keyserial: background release failed: %r", error)
 
     async def _subscriber(self) -> _Subscriber:
         loop = asyncio.get_running_loop()
         subscriber = self._subscribers.get(loop)
         if subscriber is None or subscriber.task.done():
             drop_closed_loops(self._subscribers)
-            subscriber = self._subscribers[loop] = _Subscriber(self)
-        await subscriber.ready
+            subscriber = self._subscribers[loop] = _Subscriber(self._client)
+        if not subscriber.ready.done():
+            # Bounded like any Redis request: a listener that cannot subscribe gives way to
+            # polling, and the request itself then reports what is wrong.
+            timer = loop.call_later(self._lease, _time_up, subscriber.ready)
+            try:
+                await asyncio.shield(subscriber.ready)
+            finally:
+                timer.cancel()
+            if not self._policy_checked:
+                self._policy_checked = True
+                await self._check_eviction_policy()
         return subscriber
+
+    async def _check_eviction_policy(self) -> None:
+        """Warn once if Redis may evict keys: an evicted holder lets two callers in at once."""
+        try:
+            reply = await asyncio.wait_for(
+                self._client.config_get("maxmemory-policy"), timeout=self._lease
+            )
+        except Exception:  # CONFIG not allowed (ACL, managed Redis) or not answered: unknown
+            logger.debug("keyserial: could not read maxmemory-policy", exc_info=True)
+            return
+        values = list(reply.values()) if isinstance(reply, dict) else []
+        policy = _text(values[0]) if values else "noeviction"
+        if policy != "noeviction":
+            logger.warning(
+                "keyserial: Redis's maxmemory-policy is %r; it must be 'noeviction': an evicted "
+                "turn lets two callers hold one key at once",
+                policy,
+            )
 
     async def _acquire(self, encoded: str, deadline: float | None) -> _Turn:
         subscriber = await self._subscriber()
         base = self._base(encoded)
         while True:  # once more each time Redis lost the ticket (a restart)
-            ticket, fence = await self._script(
-                self._acquire_script, base, self._lease_ms, subscriber.listener
-            )
-            ticket = ticket.decode() if isinstance(ticket, bytes) else str(ticket)
-            if fence:
-                return _Turn(base, ticket, int(fence))
+            ticket = subscriber.new_ticket()
             try:
+                reply = _text(
+                    await self._script(
+                        self._acquire_script, base, self._lease_ms, ticket, deadline=deadline
+                    )
+                )
+                if reply and reply != "-":
+                    return _Turn(base, ticket, int(reply))
                 fence = await self._wait(subscriber, base, ticket, deadline)
             except BaseException:
-                # Leave the queue; if the turn came meanwhile, this passes it on. If Redis is
-                # unreachable the ticket's heartbeat stops and Redis skips it in time.
-                with contextlib.suppress(RedisUnavailable):
-                    await asyncio.shield(self._leave(base, ticket))
+                # Leave the queue, passing the turn on if it came meanwhile: in the
+                # background, so that a stalled Redis does not hold this caller too. If it
+                # cannot be sent, the ticket's heartbeat stops and Redis skips it in time.
+                self._in_background(self._leave(base, ticket))
                 raise
             finally:
-                subscriber.forget(base, ticket)
+                subscriber.forget(ticket)
             if fence is not None:
                 return _Turn(base, ticket, fence)
 
@@ -358,8 +489,8 @@ class RedisKeyedQueue:
         while True:
             wait = self._poll
             if deadline is not None:
-                wait = min(wait, max(0.0, deadline - time.monotonic()))
-            granted = subscriber.expect(base, ticket)
+                wait = min(wait, max(0.0, deadline - loop.time()))
+            granted = subscriber.expect(ticket)
             # A timer rather than asyncio.wait(): every contended turn waits here once, and
             # the timer is the cheaper of the two.
             timer = loop.call_later(wait, _time_up, granted)
@@ -369,11 +500,12 @@ class RedisKeyedQueue:
                 timer.cancel()
             if fence is not None:
                 return fence
-            subscriber.forget(base, ticket)
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError(f"timed out waiting for the turn of {base!r}")
-            status, fence = await self._script(self._poll_script, base, ticket, self._lease_ms)
-            status = status.decode() if isinstance(status, bytes) else status
+            status, fence = await self._script(
+                self._poll_script, base, ticket, self._lease_ms, deadline=deadline
+            )
+            status = _text(status)
             if status == "granted":
                 return int(fence)
             if status == "lost":
@@ -383,14 +515,13 @@ class RedisKeyedQueue:
         """Take ``ticket`` out of the key's queue, passing the turn on; True if it held it."""
         return bool(await self._script(self._release_script, base, ticket, self._lease_ms))
 
-    async def _release_surely(self, turn: _Turn) -> bool:
-        """Release ``turn``; if cancelled meanwhile, finish the release in the background."""
-        try:
-            return await self._leave(turn.base, turn.ticket)
-        except asyncio.CancelledError:
-            # Releasing twice is harmless: the second finds the ticket gone.
-            asyncio.get_running_loop().create_task(self._leave(turn.base, turn.ticket))
-            raise
+    async def _renew(self, turn: _Turn, until: float) -> bool:
+        """Extend ``turn``'s lease, bounded by when it expires; False if it was lost."""
+        holder = f"{turn.ticket}:{turn.fence}"
+        renewed = await self._script(
+            self._renew_script, turn.base, holder, self._lease_ms, deadline=until
+        )
+        return bool(renewed)
 
     # -- running calls --------------------------------------------------------------------
 
@@ -400,17 +531,28 @@ class RedisKeyedQueue:
         """Acquire ``encoded``'s turn for ``task`` and keep its lease renewed."""
         turn = await self._acquire(encoded, deadline)
         self._held[(task, encoded)] = turn
-        return turn, _LeaseKeeper(self, turn, task)
+        return turn, _LeaseKeeper(turn, task, self._lease, self._renew)
 
     async def _give_back(self, encoded: str, turn: _Turn, keeper: _LeaseKeeper, task: Task) -> bool:
-        """End ``task``'s turn of ``encoded``; True if its lease was lost while it ran."""
+        """End ``task``'s turn of ``encoded``; True if its lease was lost while it ran.
+
+        The caller waits for the release only briefly: against a Redis that does not
+        answer, the release goes on in the background (bounded by a lease, after which the
+        turn has expired anyway) and the lease keeper's own account decides whether the
+        lease held.
+        """
         keeper.stop()
         del self._held[(task, encoded)]
-        try:
-            return not await self._release_surely(turn) or turn.lost
-        except RedisUnavailable:
-            logger.warning("keyserial: could not release key %r; its lease will expire", encoded)
-            return turn.lost
+        lost = turn.lost or keeper.expired()
+        release = self._in_background(self._leave(turn.base, turn.ticket))
+        if await _finished_within(release, self._release_wait):
+            if release.cancelled() or release.exception() is not None:
+                logger.warning(
+                    "keyserial: could not release key %r; its lease will expire", encoded
+                )
+            elif not release.result():
+                lost = True  # Redis no longer had it as the holder: the lease ran out
+        return lost
 
     async def _turn(
         self,
@@ -446,10 +588,11 @@ class RedisKeyedQueue:
 
         Raises:
             TypeError: ``key`` is not a str, bytes, int or a tuple of them.
-            RedisUnavailable: Redis could not be reached; the call did not run.
+            RedisUnavailable: Redis could not be reached, or did not answer within a
+                lease; the call did not run.
             LeaseLost: the call ran, but its lease was lost meanwhile (it was
                 paused or Redis lost its data); a later turn may have overlapped.
-            QueueClosed, QueueFull: as for :class:`~keyserial.KeyedSerialQueue`.
+            QueueClosed, QueueFull: as for [KeyedSerialQueue][keyserial.KeyedSerialQueue].
         """
         return self.call(key, fn, args, kwargs)
 
@@ -462,17 +605,20 @@ class RedisKeyedQueue:
         timeout: float | None = None,
         group: Hashable | None = None,
     ) -> T:
-        """:meth:`run` with a bound on the wait for the turn (local and Redis waits together).
+        """[run][keyserial.redis.RedisKeyedQueue.run] with a bound on the wait for the turn.
+
+        ``timeout`` bounds the local and the Redis waits together, whatever Redis does: on
+        expiry the built-in ``TimeoutError`` is raised and ``fn`` never starts.
 
         Raises:
             ValueError: ``group`` is given (coalescing is in-process only).
             TimeoutError: the turn did not come within ``timeout`` seconds.
-            TypeError, RedisUnavailable, LeaseLost, QueueClosed, QueueFull: as for :meth:`run`.
+            TypeError, RedisUnavailable, LeaseLost, QueueClosed, QueueFull: as for ``run``.
         """
         if group is not None:
             raise ValueError("RedisKeyedQueue does not coalesce: group= is in-process only")
         encoded = encode_key(key)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         return await self._local.call(
             encoded, self._turn, (encoded, fn, args, kwargs, deadline), {}, timeout
         )
@@ -480,7 +626,7 @@ class RedisKeyedQueue:
     def submit(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> asyncio.Task[T]:
-        """Start :meth:`run` as a new task, registered in this process before returning."""
+        """Start ``run`` as a new task, registered in this process before returning."""
         encoded = encode_key(key)
         return self._local.submit(encoded, self._turn, encoded, fn, args, kwargs, None)
 
@@ -493,14 +639,41 @@ class RedisKeyedQueue:
         await self._local.join()
 
     async def aclose(self) -> None:
-        """Refuse new work here, wait for the registered work, and stop listening for grants."""
+        """Refuse new work here, wait for the registered work, and stop listening for grants.
+
+        Releases still going on in the background are given up to a lease to finish.
+        """
         await self._local.aclose()
-        subscriber = self._subscribers.pop(asyncio.get_running_loop(), None)
+        loop = asyncio.get_running_loop()
+        pending = [task for task in self._background if task.get_loop() is loop]
+        if pending:
+            await asyncio.wait(pending, timeout=self._lease)
+        subscriber = self._subscribers.pop(loop, None)
         if subscriber is not None:
             subscriber.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await subscriber.task
         await self._scripts.close()
+
+
+async def _finished_within(task: Task, seconds: float) -> bool:
+    """Wait for ``task`` at most ``seconds``, without cancelling it; True if it finished."""
+    if task.done():
+        return True
+    finished = asyncio.get_running_loop().create_future()
+
+    def wake(_: object = None) -> None:
+        if not finished.done():
+            finished.set_result(None)
+
+    task.add_done_callback(wake)
+    timer = asyncio.get_running_loop().call_later(seconds, wake)
+    try:
+        await finished
+    finally:
+        timer.cancel()
+        task.remove_done_callback(wake)
+    return task.done()
 
 
 class _RedisLock:
@@ -529,7 +702,8 @@ class _RedisLock:
 
     async def __aenter__(self) -> None:
         queue, encoded = self._queue, self._encoded
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        loop = asyncio.get_running_loop()
+        deadline = None if self._timeout is None else loop.time() + self._timeout
         await self._local.__aenter__()
         task: Task = asyncio.current_task()  # type: ignore[assignment]
         turn = queue._held.get((task, encoded))
@@ -554,9 +728,13 @@ class _RedisLock:
             self._fence_token = None
         turn, keeper, task, lost = self._turn, self._keeper, self._task, False
         self._turn = self._keeper = self._task = None
-        if turn is not None and keeper is not None and task is not None:
-            lost = await self._queue._give_back(self._encoded, turn, keeper, task)
-        await self._local.__aexit__(exc_type, exc, tb)
+        try:
+            if turn is not None and keeper is not None and task is not None:
+                lost = await self._queue._give_back(self._encoded, turn, keeper, task)
+        finally:
+            # The process's own turn is given back whatever became of the Redis release
+            # (cancelled, failed): a release that could not be sent is left to the lease.
+            await self._local.__aexit__(exc_type, exc, tb)
         if turn is not None and task is not None and lost:
             if isinstance(exc, asyncio.CancelledError) and sys.version_info >= (3, 11):
                 task.uncancel()
