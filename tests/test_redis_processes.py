@@ -71,8 +71,8 @@ class Arrivals:
         self.sha = LuaScript(_redis_scripts.ACQUIRE).sha
         self.client.script_load(_redis_scripts.ACQUIRE)  # so that every request is an EVALSHA
         self.commands: list[str] = []
-        self.monitor = self.client.monitor()
-        self.monitor.connection.send_command("MONITOR")  # type: ignore[no-untyped-call]
+        self.monitor = self.client.monitor()  # type: ignore[no-untyped-call]
+        self.monitor.connection.send_command("MONITOR")
         self.monitor.connection.read_response()  # "OK": watching from here on
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
