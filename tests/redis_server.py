@@ -43,9 +43,12 @@ class RedisServer:
     With ``cluster=True`` it is a Redis Cluster of this one node, holding every slot.
     """
 
-    def __init__(self, binary: str, *, cluster: bool = False) -> None:
+    def __init__(self, binary: str, *, cluster: bool = False, persistent: bool = False) -> None:
         self.binary = binary
         self.cluster = cluster
+        # Persistent: every write is in the append-only file before it is answered, so a
+        # restart that keeps the data loses nothing that was acknowledged.
+        self.persistent = persistent
         self.port = free_port()
         self.directory = tempfile.mkdtemp(prefix="keyserial-redis-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -61,7 +64,9 @@ class RedisServer:
         self.process = subprocess.Popen(
             [
                 self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", self.directory, *cluster,
+                "--save", "", "--dir", self.directory, *cluster,
+                *(["--appendonly", "yes", "--appendfsync", "always"] if self.persistent
+                  else ["--appendonly", "no"]),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -100,9 +105,19 @@ class RedisServer:
         if self.process is not None:
             self.process.send_signal(signal.SIGCONT)
 
-    def restart(self) -> None:
+    def restart(self, *, keep_data: bool = False) -> None:
+        """Kill and start again; the data survives only with ``keep_data`` on a persistent one."""
         self.kill()
+        if not keep_data:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            os.makedirs(self.directory)
         self.start()
+
+    def command(self, command: str) -> bytes:
+        """Send one inline command and return the first chunk of the reply."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
+            sock.sendall(command.encode() + b"\r\n")
+            return sock.recv(4096)
 
     def close(self) -> None:
         self.resume()
