@@ -18,7 +18,7 @@ import redis
 import redis.asyncio
 
 from keyserial import LeaseLost, current_fence
-from keyserial.redis import RedisKeyedQueue, RedisUnavailable, encode_key
+from keyserial.redis import RedisKeyedQueue, RedisUnavailable, acl_rules, encode_key
 
 from .redis_helpers import Clients, until
 from .redis_server import RedisServer
@@ -310,3 +310,30 @@ async def test_an_evicting_redis_is_warned_about_once(
     warnings = [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
     assert len(warnings) == 1 and "noeviction" in warnings[0].getMessage()
     await queue.aclose()
+
+
+async def test_a_user_restricted_to_the_documented_acl_runs_the_queue(
+    clients: Clients, redis_server: RedisServer
+) -> None:
+    admin = clients()
+    rules = acl_rules("restricted").split()
+    await admin.acl_setuser("worker", enabled=True, passwords=["+secret"], reset=True)
+    await admin.execute_command("ACL", "SETUSER", "worker", *rules)  # type: ignore[no-untyped-call]
+    url = redis_server.url.replace("redis://", "redis://worker:secret@")
+    first = RedisKeyedQueue(redis.asyncio.Redis.from_url(url), namespace="restricted", lease=5.0)
+    second = RedisKeyedQueue(redis.asyncio.Redis.from_url(url), namespace="restricted", lease=5.0)
+    rec = Recorder()
+    a = asyncio.create_task(first.run("k", rec.step, "a"))
+    await until(lambda: rec.log == ["start a"], "a runs")
+    b = asyncio.create_task(second.run("k", rec.step, "b"))
+    await asyncio.sleep(0.1)
+    rec.gate("a").set()
+    rec.gate("b").set()
+    assert list(await asyncio.wait_for(asyncio.gather(a, b), timeout=10)) == ["a", "b"]
+    # Another namespace's keys are out of this user's reach.
+    other = RedisKeyedQueue(redis.asyncio.Redis.from_url(url), namespace="other", lease=5.0)
+    with pytest.raises(RedisUnavailable, match="no permissions"):
+        await other.run("k", rec.step, "c")
+    for queue in (first, second, other):
+        await queue.aclose()
+        await queue._client.aclose()

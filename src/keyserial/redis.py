@@ -32,7 +32,7 @@ from ._protocols import KeyLock
 from ._queue import KeyedSerialQueue
 from ._redis_commands import LuaScript, ScriptRunner
 
-__all__ = ["RedisKeyedQueue", "RedisUnavailable", "encode_key"]
+__all__ = ["RedisKeyedQueue", "RedisUnavailable", "acl_rules", "encode_key"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -105,6 +105,38 @@ def encode_key(key: object) -> str:
     if len(data) > MAX_ENCODED_KEY:
         return "h" + hashlib.sha256(data).hexdigest()
     return "k" + base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _encoded_namespace(namespace: str) -> str:
+    return base64.urlsafe_b64encode(namespace.encode()).decode().rstrip("=")
+
+
+#: Commands the queue sends, and those its scripts run (ACLs apply inside scripts too).
+_COMMANDS = (
+    "evalsha eval subscribe unsubscribe ping config|get "
+    "get set del exists llen lpop lpos lrem rpush pexpire time publish zadd zrem zscore"
+)
+
+
+def acl_rules(namespace: str) -> str:
+    """The ACL rules a Redis user needs to run a ``RedisKeyedQueue`` of ``namespace``.
+
+    The keys of the namespace (its name is base64-encoded in them), the grant channels,
+    and the commands the queue and its scripts use; ``config|get`` only lets the queue
+    check ``maxmemory-policy`` at start-up, and may be left out.
+
+    Example:
+        ```pycon
+        >>> acl_rules("transcripts").split()[:2]
+        ['resetkeys', '~keyserial:{dHJhbnNjcmlwdHM:*']
+
+        ```
+    """
+    commands = " ".join(f"+{command}" for command in _COMMANDS.split())
+    return (
+        f"resetkeys ~keyserial:{{{_encoded_namespace(namespace)}:* resetchannels "
+        f"&keyserial:grants:* -@all +hello +auth {commands}"
+    )
 
 
 class _Turn:
@@ -340,7 +372,7 @@ class RedisKeyedQueue:
                 f"lease must be a finite number of seconds >= {MIN_LEASE}, got {lease!r}"
             )
         self._client = client
-        self._namespace = base64.urlsafe_b64encode(namespace.encode()).decode().rstrip("=")
+        self._namespace = _encoded_namespace(namespace)
         self._lease = float(lease)
         self._lease_ms = max(1, int(lease * 1000))
         self._poll = lease / 3
