@@ -318,30 +318,39 @@ class RedisKeyedQueue:
     while the call runs. A holder that dies loses its turn when the lease
     expires; a waiter that dies is skipped once its ticket's heartbeat stops.
     A holder paused past its lease loses the turn to the next caller, who gets
-    a higher fencing token (:func:`keyserial.current_fence`); the paused call
-    learns it with :class:`~keyserial.LeaseLost`. Only tickets and counters go
-    to Redis, never the calls' data.
+    a higher fencing token ([current_fence][keyserial.current_fence]); the paused
+    call learns it with [LeaseLost][keyserial.LeaseLost]. Only tickets and fences
+    go to Redis, never the calls' data.
 
-    An uncontended call costs two Redis round trips (acquire, release).
+    Every request to Redis is bounded by the call's ``timeout`` and by one lease:
+    a Redis that does not answer fails a call with ``TimeoutError`` or
+    [RedisUnavailable][keyserial.redis.RedisUnavailable], never hangs it. An
+    uncontended call costs two Redis round trips (acquire, release).
 
     Args:
-        client: a ``redis.asyncio.Redis`` client, whose pool lends the queue the
-            connections it keeps (closing the client closes them), or a
-            ``redis.asyncio.RedisCluster``.
+        client: a ``redis.asyncio.Redis`` client (with or without
+            ``decode_responses``), whose pool lends the queue the connections it
+            uses (closing the client closes them), or a ``redis.asyncio.RedisCluster``.
         namespace: separates queues sharing one Redis; all processes of one
             queue must use the same one.
-        lease: seconds a turn is held without renewal; the longest a dead
-            holder or waiter can stall a key.
+        lease: seconds a turn is held without renewal, at least ``MIN_LEASE``
+            (0.1); the longest a dead holder can stall a key.
         max_pending: per-key bound on this process's running plus waiting calls.
 
     Raises:
-        TypeError: ``client`` has no pub/sub (an asyncio ``RedisCluster`` before redis-py 8).
-        ValueError: ``namespace`` is empty, or ``lease`` is not > 0.
+        TypeError: ``client`` is not an asyncio Redis client (a synchronous
+            ``redis.Redis``), or has no pub/sub (an asyncio ``RedisCluster``
+            before redis-py 8), or ``namespace`` is not a ``str``.
+        ValueError: ``namespace`` is empty, or ``lease`` is not a finite number
+            of seconds of at least ``MIN_LEASE``.
 
     Example:
+        ```pycon
         >>> import redis.asyncio as redis
         >>> from keyserial.redis import RedisKeyedQueue
         >>> queue = RedisKeyedQueue(redis.Redis(), namespace="transcripts", lease=10.0)
+
+        ```
     """
 
     def __init__(
