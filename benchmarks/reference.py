@@ -15,7 +15,7 @@ from typing import Any
 
 from keyserial import KeyedSerialQueue, _queue
 
-COUNTING_CLAUSE = "part.count_failure(exc)"
+COUNTING_CLAUSE = "share.counts.failure(exc)"
 
 
 class _WithoutCounting(ast.NodeTransformer):

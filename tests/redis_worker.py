@@ -48,7 +48,7 @@ async def log_calls(url: str, log_path: str, seed: int, calls: int, keys: int) -
 
     async def work(key: str, call: int, delay: float) -> None:
         task = asyncio.current_task()
-        ticket = queue._held[(task, encode_key(key))].ticket  # type: ignore[index]
+        ticket = queue._turns.held[(task, encode_key(key))].ticket  # type: ignore[index]
         start = time.monotonic_ns()
         await asyncio.sleep(delay)
         end = time.monotonic_ns()

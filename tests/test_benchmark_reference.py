@@ -18,9 +18,11 @@ def test_reference_run_is_run_without_the_counting_lines() -> None:
     source = textwrap.dedent(inspect.getsource(KeyedSerialQueue.run))
     real = ast.unparse(ast.parse(source)).splitlines()
     reference = uncounted_run_source().splitlines()
-    start = next(i for i, line in enumerate(real) if line.strip() == "part.count_failure(exc)") - 1
+    start = (
+        next(i for i, line in enumerate(real) if line.strip() == "share.counts.failure(exc)") - 1
+    )
     clause = [line.strip() for line in real[start : start + 3]]
-    assert clause == ["except BaseException as exc:", "part.count_failure(exc)", "raise"]
+    assert clause == ["except BaseException as exc:", "share.counts.failure(exc)", "raise"]
     assert real[:start] + real[start + 3 :] == reference
 
 

@@ -280,7 +280,7 @@ async def test_a_join_that_times_out_or_is_cancelled_leaves_nothing_behind() -> 
         joining.cancel()
         await settle()
         assert joining.cancelled()
-    share = queue._inspected()
+    share = queue._shares.inspected()
     assert share.idle_waiters == []
     assert not share.attention  # the uncontended path is fast again
     gate.set()

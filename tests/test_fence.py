@@ -28,7 +28,8 @@ async def test_fences_increase_per_key_and_are_stable_within_a_turn() -> None:
     fences = [fence for _, fence in seen]
     assert [name for name, _ in seen] == [f"w{i}" for i in range(5)]
     assert fences == sorted(set(fences))
-    assert queue._cached.fences == {} and not queue._cached.attention
+    share = queue._shares.cached
+    assert not share.fences and not share.attention
 
 
 @pytest.mark.asyncio
@@ -54,7 +55,7 @@ async def test_every_way_of_taking_a_turn_has_a_fence() -> None:
     async with queue.lock_all(["k", "x"]):
         fences.append(current_fence())
     assert fences == sorted(set(fences)) and len(fences) == 7
-    assert len(queue) == 0 and queue._cached.fences == {}
+    assert len(queue) == 0 and not queue._shares.cached.fences
 
 
 @pytest.mark.asyncio

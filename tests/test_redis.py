@@ -13,8 +13,8 @@ import redis.asyncio as redis
 from redis.exceptions import ResponseError
 
 from keyserial import LeaseLost, current_fence, serialized
-from keyserial._redis_commands import LuaScript, ScriptRunner
 from keyserial.redis import RedisKeyedQueue, RedisUnavailable, encode_key
+from keyserial.redis._transport import LuaScript, ScriptRunner
 
 from .redis_helpers import Clients, until
 from .redis_server import RedisServer, redis_server_binary
@@ -168,7 +168,7 @@ async def test_lock_holds_the_turn_for_a_block_across_queues(clients: Clients) -
 
 async def _until_one_ticket_waits(client: redis.Redis, queue: RedisKeyedQueue, key: str) -> None:
     """Wait until Redis holds one waiting ticket in ``key``'s queue; fail after a while."""
-    queue_name = queue._base(encode_key(key)) + ":queue"
+    queue_name = queue._turns.base(encode_key(key)) + ":queue"
     for _ in range(1000):
         if await client.llen(queue_name) == 1:
             return
@@ -207,12 +207,12 @@ async def test_everything_a_key_leaves_in_redis_expires_even_if_its_processes_di
 ) -> None:
     client = clients()
     queue = RedisKeyedQueue(client, namespace="dead", lease=5.0)
-    base = queue._base(encode_key("seg"))
+    base = queue._turns.base(encode_key("seg"))
     # Processes that died at once: one took the turn, one queued behind it; neither returns.
     for ticket in ("1@gone-1", "1@gone-2"):
-        await queue._script(queue._acquire_script, base, queue._lease_ms, ticket)
+        await queue._turns.script(queue._turns.acquire_script, base, queue._turns.lease_ms, ticket)
     # and one withdrew a ticket whose registration had not reached Redis yet
-    await queue._script(queue._release_script, base, "2@gone-2", queue._lease_ms)
+    await queue._turns.script(queue._turns.release_script, base, "2@gone-2", queue._turns.lease_ms)
     names = sorted(await _names(client, "keyserial:*"))
     parts = ["alive", "fence", "2@gone-2", "holder", "queue"]
     assert [name.rsplit(":", 1)[1] for name in names] == parts
@@ -487,7 +487,7 @@ async def test_a_script_error_is_raised_and_the_connection_stays_usable(
         await runner.call(failing, "k", "no")
     assert await runner.call(echo, "k", "yes") == b"yes"
     queue = RedisKeyedQueue(client, namespace="t")
-    queue._acquire_script = failing  # a queue maps Redis's refusal to RedisUnavailable
+    queue._turns.acquire_script = failing  # a queue maps Redis's refusal to RedisUnavailable
 
     async def work() -> None:
         return None

@@ -53,8 +53,8 @@ async def test_a_grant_for_a_ticket_nobody_waits_for_never_lets_a_call_in(
     rec = Recorder()
     holder = asyncio.create_task(second.run("k", rec.step, "holder"))
     await until(lambda: rec.log == ["start holder"], "the other process holds the key")
-    subscriber = await first._subscriber()
-    base = first._base(encode_key("k"))
+    subscriber = await first._turns.listener()
+    base = first._turns.base(encode_key("k"))
     for number in range(1, 50):
         await publisher.publish(subscriber.channel, f"{base}|{number}@{subscriber.listener}|9")
     await asyncio.sleep(0.05)  # delivered to the listener

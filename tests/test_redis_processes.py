@@ -10,8 +10,8 @@ from pathlib import Path
 
 import redis
 
-from keyserial import _redis_scripts
-from keyserial._redis_commands import LuaScript
+from keyserial.redis import _scripts as _redis_scripts
+from keyserial.redis._transport import LuaScript
 
 from .redis_server import RedisServer
 

@@ -5,11 +5,12 @@ different keys run concurrently. See :class:`KeyedSerialQueue` and
 :func:`serialized`.
 """
 
+from . import _observe  # noqa: F401  # registers the observed queue
 from ._decorator import serialized
 from ._default import default_queue
 from ._errors import DeadlockError, LeaseLost, QueueClosed, QueueFull, Superseded
 from ._fence import current_fence
-from ._observe import QueueObserver
+from ._observer import QueueObserver
 from ._protocols import KeyLock, MultiKeySerialQueue, SerialQueue
 from ._queue import KeyedSerialQueue
 from ._stats import QueueStats

@@ -92,7 +92,7 @@ class _Search:
         if type(node) is Waiter:
             edges: list[tuple[Any, Label]] = []
             for key in node.keys:
-                holder = node.part.holding_task(key)
+                holder = node.share.holding_task(key)
                 if holder is not None:
                     edges.append((holder, ("key", key)))
             return edges
@@ -127,12 +127,12 @@ class _Search:
 
 
 def find_cycle(
-    part: KeyHolders, task: Task, keys: Sequence[Hashable]
+    share: KeyHolders, task: Task, keys: Sequence[Hashable]
 ) -> DeadlockError | str | None:
     """The cycle ``task`` would close by waiting for ``keys``: an error, UNDECIDED or None."""
     search = _Search(task)
     for key in keys:
-        holder = part.holding_task(key)
+        holder = share.holding_task(key)
         if holder is None:
             continue
         steps = search.path(holder)
@@ -146,23 +146,23 @@ def may_wait_on_someone(holder: Task) -> bool:
     return getattr(holder, "_fut_waiter", None) is not None or is_running(holder)
 
 
-def check_no_cycle(part: KeyHolders, task: Task, keys: Sequence[Hashable]) -> bool:
+def check_no_cycle(share: KeyHolders, task: Task, keys: Sequence[Hashable]) -> bool:
     """Raise DeadlockError if ``task`` waiting for ``keys`` would wait on itself.
 
     Returns True if the answer must wait until the tasks mid-step have suspended (then
     the caller re-checks with :func:`check_later`).
     """
-    holders = [part.holding_task(key) for key in keys]
+    holders = [share.holding_task(key) for key in keys]
     if not any(h is not None and h is not task and may_wait_on_someone(h) for h in holders):
         return False
-    found = find_cycle(part, task, keys)
+    found = find_cycle(share, task, keys)
     if isinstance(found, DeadlockError):
         raise found
     return found == UNDECIDED
 
 
 def check_later(
-    part: KeyHolders,
+    share: KeyHolders,
     task: Task,
     keys: Sequence[Hashable],
     waiting: asyncio.Future[Any],
@@ -177,7 +177,7 @@ def check_later(
     def recheck() -> None:
         if waiting.done():
             return
-        found = find_cycle(part, task, keys)
+        found = find_cycle(share, task, keys)
         if isinstance(found, DeadlockError):
             fail(found)
 

@@ -97,3 +97,7 @@ class LeaseLost(RuntimeError):
         super().__init__(f"the lease of key {key!r} (fence {fence}) was lost during the call")
         self.key = key
         self.fence = fence
+
+
+class BrokenKeyError(TypeError):
+    """A registered key whose hash or equality failed; the calls waiting for it are refused."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar, Token
 from types import CodeType, FrameType
 from typing import Any
@@ -44,6 +44,43 @@ _turn_readers: dict[CodeType, FenceReader] = {}
 _lock_blocks: ContextVar[tuple[tuple[FrameType, Callable[[], int | None]], ...]] = ContextVar(
     "keyserial_lock_blocks", default=()
 )
+
+
+class FenceBook:
+    """The fences handed out to the running turns of one loop's share, by key.
+
+    A turn gets its fence on first request (from a counter of the share) and keeps it
+    until it ends; most turns never ask, and cost nothing here.
+    """
+
+    __slots__ = ("by_key", "counter")
+
+    def __init__(self) -> None:
+        self.by_key: dict[Hashable, int] = {}
+        self.counter = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.by_key)
+
+    def fence_for(self, keys: Sequence[Hashable]) -> int | None:
+        """The fence of the running turn holding ``keys``, handed out on first request."""
+        if not keys:
+            return None  # a nested multi-key turn that needed no key of its own
+        fence = self.by_key.get(keys[0])
+        if fence is None:
+            self.counter += 1
+            fence = self.counter
+            for key in keys:
+                self.by_key[key] = fence
+        return fence
+
+    def drop(self, key: Hashable) -> None:
+        """The turn of ``key`` ended: forget its fence."""
+        self.by_key.pop(key, None)
+
+    def drop_identical(self, key: object) -> None:
+        """Forget the fence of a key that can no longer be looked up (it broke)."""
+        self.by_key = {k: v for k, v in self.by_key.items() if k is not key}
 
 
 def register_turn_code(code: CodeType, reader: FenceReader) -> None:

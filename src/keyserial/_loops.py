@@ -1,4 +1,8 @@
-"""Fast access to the running event loop's current task, and upkeep of per-loop state.
+"""The running loop and its current task, fast; and routing from a loop to a queue's share.
+
+Every queue behaves as if each event loop had its own: ``LoopShares`` keeps one
+``LoopShare`` per loop, remembers the last one used (the common case is one loop), and
+forgets the shares of loops that closed.
 
 ``asyncio.current_task()`` is implemented in C from Python 3.12 on. On 3.10
 and 3.11 it is a Python function that looks the running loop up again and
@@ -10,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from ._share import LoopShare
 
 V = TypeVar("V")
 
@@ -67,3 +74,60 @@ def drop_closed_loops(per_loop: dict[asyncio.AbstractEventLoop, V]) -> None:
     """Forget the entries of loops that are closed: such a loop never runs its tasks again."""
     for closed in [loop for loop in per_loop if loop.is_closed()]:
         del per_loop[closed]
+
+
+def outside_task() -> RuntimeError:
+    return RuntimeError("keyserial calls must run inside an asyncio task")
+
+
+class LoopShares:
+    """A queue's shares, one per event loop; ``cached`` is the last one used."""
+
+    __slots__ = ("by_loop", "cached", "count_calls", "detect_deadlocks", "switch")
+
+    def __init__(self, detect_deadlocks: bool, count_calls: bool) -> None:
+        self.detect_deadlocks = detect_deadlocks
+        self.count_calls = count_calls
+        self.by_loop: dict[asyncio.AbstractEventLoop, LoopShare] = {}
+        # The last share used; it carries its loop, so one read gives a consistent pair
+        # even when threads with loops of their own share the queue.
+        self.cached = LoopShare(None, detect_deadlocks, count_calls)
+        self.switch = threading.Lock()
+
+    def of(self, loop: asyncio.AbstractEventLoop) -> LoopShare:
+        """The share of ``loop``, made on first use."""
+        share = self.cached
+        if share.loop is loop:
+            return share
+        with self.switch:
+            found = self.by_loop.get(loop)
+            if found is None:
+                # A closed loop never runs its tasks again: dropping its share keeps a later
+                # loop unaffected by work it left registered, and frees what it held.
+                drop_closed_loops(self.by_loop)
+                found = self.by_loop[loop] = LoopShare(
+                    loop, self.detect_deadlocks, self.count_calls
+                )
+            self.cached = share = found
+        return share
+
+    def running(self) -> tuple[LoopShare, asyncio.Task[Any]]:
+        """The running loop's share and the current task.
+
+        Raises:
+            RuntimeError: no asyncio loop runs, or the caller is not in a task.
+        """
+        loop = running_loop()
+        share = self.of(loop)
+        task = task_of(loop)
+        if task is None:
+            raise outside_task()
+        return share, task
+
+    def inspected(self) -> LoopShare:
+        """The running loop's share, or the last one used when no loop runs (for reading)."""
+        try:
+            loop = get_running_loop()
+        except RuntimeError:
+            return self.cached
+        return self.of(loop)

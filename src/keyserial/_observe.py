@@ -11,54 +11,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from types import TracebackType
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from ._errors import QueueClosed, QueueFull, Superseded
+from ._observer import Outcome, QueueObserver
 from ._protocols import KeyLock
-from ._queue import KeyedSerialQueue
+from ._queue import KeyedSerialQueue, register_observed_queue
 from ._stats import QueueStats
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
 logger = logging.getLogger("keyserial")
-
-Outcome = Literal["completed", "failed", "cancelled", "timed_out", "rejected", "superseded"]
-
-
-class QueueObserver:
-    """Hooks a queue calls as calls register, start and finish; subclass and override.
-
-    Every hook runs synchronously in the event loop, so keep it short. An
-    exception raised by a hook is logged through the ``keyserial`` logger and
-    otherwise ignored: a failing observer never breaks the queue.
-
-    ``function`` is the qualified name of the called function. ``outcome`` is
-    one of ``"completed"``, ``"failed"``, ``"cancelled"``, ``"timed_out"``,
-    ``"rejected"`` (``max_pending`` or a closed queue) or ``"superseded"``;
-    ``ran`` is ``None`` for a call that never started.
-
-    Example:
-        >>> from keyserial import KeyedSerialQueue, QueueObserver
-        >>> class PrintWaits(QueueObserver):
-        ...     def on_start(self, key, function, waited):
-        ...         print(f"{function} waited {waited:.0f} s for {key!r}")
-        >>> queue = KeyedSerialQueue(observer=PrintWaits())
-    """
-
-    def on_register(self, key: Hashable, function: str) -> None:
-        """A call registered for ``key``."""
-
-    def on_start(self, key: Hashable, function: str, waited: float) -> None:
-        """A call started its turn after waiting ``waited`` seconds."""
-
-    def on_finish(
-        self, key: Hashable, function: str, waited: float, ran: float | None, outcome: Outcome
-    ) -> None:
-        """A call ended: it waited ``waited`` s, ran ``ran`` s (None if it never started)."""
 
 
 def _outcome_before_start(exc: BaseException) -> Outcome:
@@ -77,28 +43,48 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
+class Watching:
+    """What an observed queue watches with: its observer, slow-turn bound and running calls."""
+
+    __slots__ = ("observer", "running", "slow_turn")
+
+    def __init__(self, observer: QueueObserver | None, slow_turn: float | None) -> None:
+        self.observer = observer
+        self.slow_turn = slow_turn
+        self.running: set[_Watch] = set()
+
+    def notify(self, hook: str, *args: Any) -> None:
+        """Call the observer's ``hook``; a failing observer is logged, never raised."""
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, hook)(*args)
+        except Exception:
+            logger.exception("keyserial: observer %r failed in %s", self.observer, hook)
+
+
 class _Watch:
-    """One call being watched, from registration to finish."""
+    """One call being watched, from registration to finish, on its loop's clock."""
 
-    __slots__ = ("finished", "function", "key", "loop", "queue", "registered", "started", "timer")
+    __slots__ = ("finished", "function", "key", "loop", "registered", "started", "timer", "to")
 
-    def __init__(self, queue: ObservedQueue, key: Hashable, function: str) -> None:
-        self.queue = queue
+    def __init__(self, to: Watching, key: Hashable, function: str) -> None:
+        self.to = to
         self.key = key
         self.function = function
-        self.registered = time.monotonic()
+        self.loop = asyncio.get_running_loop()
+        self.registered = self.loop.time()
         self.started: float | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.finished = False
-        self.loop = asyncio.get_running_loop()
-        queue._notify("on_register", key, self.function)
+        to.notify("on_register", key, self.function)
 
     def start(self) -> None:
-        self.started = now = time.monotonic()
-        self.queue._running.add(self)
-        if self.queue._slow_turn is not None:
-            self.timer = self.loop.call_later(self.queue._slow_turn, self._warn_slow)
-        self.queue._notify("on_start", self.key, self.function, now - self.registered)
+        self.started = now = self.loop.time()
+        self.to.running.add(self)
+        if self.to.slow_turn is not None:
+            self.timer = self.loop.call_later(self.to.slow_turn, self._warn_slow)
+        self.to.notify("on_start", self.key, self.function, now - self.registered)
 
     def finish(self, exc: BaseException | None) -> None:
         if self.finished:
@@ -106,7 +92,7 @@ class _Watch:
         self.finished = True
         if self.timer is not None:
             self.timer.cancel()
-        now = time.monotonic()
+        now = self.loop.time()
         started = self.started
         waited = (started if started is not None else now) - self.registered
         outcome: Outcome
@@ -116,16 +102,16 @@ class _Watch:
             outcome = "completed"
         else:
             outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
-        self.queue._running.discard(self)
+        self.to.running.discard(self)
         ran = None if started is None else now - started
-        self.queue._notify("on_finish", self.key, self.function, waited, ran, outcome)
+        self.to.notify("on_finish", self.key, self.function, waited, ran, outcome)
 
     def _warn_slow(self) -> None:
         logger.warning(
             "keyserial: %s has held the turn of key %r for more than %s s",
             self.function,
             self.key,
-            self.queue._slow_turn,
+            self.to.slow_turn,
         )
 
     async def run(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -167,7 +153,7 @@ class ObservedQueue(KeyedSerialQueue):
     Made by ``KeyedSerialQueue(observer=..., slow_turn=...)``; see there.
     """
 
-    __slots__ = ("_observer", "_running", "_slow_turn")
+    __slots__ = ("_watching",)
 
     def __init__(
         self,
@@ -181,22 +167,12 @@ class ObservedQueue(KeyedSerialQueue):
         super().__init__(max_pending, detect_deadlocks=detect_deadlocks, count_calls=count_calls)
         if slow_turn is not None and not slow_turn > 0:
             raise ValueError(f"slow_turn must be None or a number > 0, got {slow_turn!r}")
-        self._observer = observer
-        self._slow_turn = slow_turn
-        self._running: set[_Watch] = set()
-
-    def _notify(self, hook: str, *args: Any) -> None:
-        if self._observer is None:
-            return
-        try:
-            getattr(self._observer, hook)(*args)
-        except Exception:
-            logger.exception("keyserial: observer %r failed in %s", self._observer, hook)
+        self._watching = Watching(observer, slow_turn)
 
     async def run(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> T:
-        watch = _Watch(self, key, _name(fn))
+        watch = _Watch(self._watching, key, _name(fn))
         turn = super().run(key, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
         return await watch.watch(turn)
 
@@ -209,14 +185,14 @@ class ObservedQueue(KeyedSerialQueue):
         timeout: float | None = None,
         group: Hashable | None = None,
     ) -> T:
-        watch = _Watch(self, key, _name(fn))
+        watch = _Watch(self._watching, key, _name(fn))
         call = super().call(key, watch.run, (fn, *args), kwargs, timeout, group)
         return await watch.watch(call)
 
     def submit(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> asyncio.Task[T]:
-        watch = _Watch(self, key, _name(fn))
+        watch = _Watch(self._watching, key, _name(fn))
         try:
             task = super().submit(key, watch.run_and_finish, fn, *args, **kwargs)  # type: ignore[arg-type]
         except BaseException as exc:
@@ -240,27 +216,29 @@ class ObservedQueue(KeyedSerialQueue):
         **kwargs: P.kwargs,
     ) -> T:
         keys = tuple(keys)
-        watch = _Watch(self, keys, _name(fn))
+        watch = _Watch(self._watching, keys, _name(fn))
         turn = super().run_all(keys, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
         return await watch.watch(turn)
 
     def lock(
         self, key: Hashable, timeout: float | None = None, group: Hashable | None = None
     ) -> KeyLock:
-        return _ObservedLock(self, key, super().lock(key, timeout, group))
+        return _ObservedLock(self._watching, key, super().lock(key, timeout, group))
 
     def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
         keys = tuple(keys)
-        return _ObservedLock(self, keys, super().lock_all(keys, timeout))
+        return _ObservedLock(self._watching, keys, super().lock_all(keys, timeout))
 
     def stats(self) -> QueueStats:
         """As :meth:`KeyedSerialQueue.stats`, with every running turn timed exactly."""
         base = super().stats()
-        part = self._inspected()
-        now = time.monotonic()
-        watches = [w for w in self._running if w.started is not None and w.loop is part.loop]
+        share = self._shares.inspected()
+        watches = [
+            w for w in self._watching.running if w.started is not None and w.loop is share.loop
+        ]
         if not watches:
             return base
+        now = watches[0].loop.time()
         longest = max(watches, key=lambda w: now - w.started)  # type: ignore[operator]
         running = (longest.key, now - longest.started)  # type: ignore[operator]
         return dataclasses.replace(base, longest_running=running)
@@ -269,16 +247,16 @@ class ObservedQueue(KeyedSerialQueue):
 class _ObservedLock:
     """``lock()``/``lock_all()`` of an observed queue: the block is the watched call."""
 
-    __slots__ = ("_inner", "_key", "_queue", "_watch")
+    __slots__ = ("_inner", "_key", "_watch", "_watching")
 
-    def __init__(self, queue: ObservedQueue, key: Hashable, inner: KeyLock) -> None:
-        self._queue = queue
+    def __init__(self, watching: Watching, key: Hashable, inner: KeyLock) -> None:
+        self._watching = watching
         self._key = key
         self._inner = inner
         self._watch: _Watch | None = None
 
     async def __aenter__(self) -> None:
-        self._watch = watch = _Watch(self._queue, self._key, "lock")  # registers now
+        self._watch = watch = _Watch(self._watching, self._key, "lock")  # registers now
         try:
             await self._inner.__aenter__()
         except BaseException as exc:
@@ -297,3 +275,6 @@ class _ObservedLock:
         finally:
             if self._watch is not None:
                 self._watch.finish(exc)
+
+
+register_observed_queue(ObservedQueue)

@@ -1,45 +1,33 @@
-"""The in-process keyed serial queue."""
+"""The in-process keyed serial queue: the façade, and the hot path of ``run`` and ``call``.
+
+Everything a call does beyond the uncontended path lives in the modules it calls:
+registration and hand-off in ``_share``, several keys in ``_multikey``, lock blocks in
+``_locks``, ``submit`` in ``_submit``, loop routing in ``_loops``.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-import threading
-import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
-from contextvars import Token
-from types import CoroutineType, TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from ._deadlock import check_later, check_no_cycle, register_entry_code
-from ._errors import DeadlockError
-from ._fence import enter_lock_block, exit_lock_block, register_turn_code
-from ._loops import drop_closed_loops, get_running_loop, no_event_loop, running_loop, task_of
+from ._deadlock import register_entry_code
+from ._fence import register_turn_code
+from ._locks import TurnLock, TurnsLock
+from ._loops import LoopShares, get_running_loop, no_event_loop, outside_task, running_loop, task_of
+from ._multikey import acquire_all, leave_all
 from ._protocols import KeyLock
-from ._state import (
-    GRANTED,
-    NEW_TASK,
-    KeyState,
-    MultiRegistration,
-    Partition,
-    Waiter,
-    closed_error,
-    granted_waiter,
-    key_error,
-)
+from ._share import closed_error, key_error
 from ._stats import QueueStats, snapshot
+from ._submit import Submission, submit
 
 if TYPE_CHECKING:
-    from ._observe import QueueObserver
+    from ._observer import QueueObserver
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
 Task = asyncio.Task[Any]
-
-
-def _outside_task() -> RuntimeError:
-    return RuntimeError("keyserial calls must run inside an asyncio task")
 
 
 def _check_timeout(timeout: float | None) -> None:
@@ -99,14 +87,7 @@ class KeyedSerialQueue:
         ['a', 'b', 'c']
     """
 
-    __slots__ = (
-        "_cached",
-        "_count_calls",
-        "_detect_deadlocks",
-        "_max_pending",
-        "_partitions",
-        "_switch_lock",
-    )
+    __slots__ = ("_max_pending", "_shares")
 
     def __new__(
         cls,
@@ -120,9 +101,7 @@ class KeyedSerialQueue:
         if cls is KeyedSerialQueue and (observer is not None or slow_turn is not None):
             # Only an observed queue runs the code that times calls: a plain queue's
             # uncontended path stays as fast as it is without observers.
-            from ._observe import ObservedQueue
-
-            cls = ObservedQueue
+            cls = _observed_queue_class()
         return object.__new__(cls)
 
     def __init__(
@@ -139,60 +118,12 @@ class KeyedSerialQueue:
         ):
             raise ValueError(f"max_pending must be None or an int >= 1, got {max_pending!r}")
         self._max_pending = max_pending
-        self._detect_deadlocks = detect_deadlocks
-        self._count_calls = count_calls
-        self._partitions: dict[asyncio.AbstractEventLoop, Partition] = {}
-        # The last partition used; it carries its loop, so one read gives a consistent pair
-        # even when threads with loops of their own share the queue.
-        self._cached = Partition(None, detect_deadlocks, count_calls)
-        self._switch_lock = threading.Lock()
+        self._shares = LoopShares(detect_deadlocks, count_calls)
 
     @property
     def max_pending(self) -> int | None:
         """The per-key bound on running plus waiting calls, or ``None``."""
         return self._max_pending
-
-    # -- partitions -----------------------------------------------------------------------
-
-    def _partition(self, loop: asyncio.AbstractEventLoop) -> Partition:
-        part = self._cached
-        if part.loop is loop:
-            return part
-        with self._switch_lock:
-            part = self._partitions.get(loop)  # type: ignore[assignment]
-            if part is None:
-                # A closed loop never runs its tasks again: dropping its share keeps a later
-                # loop unaffected by work it left registered, and frees what it held.
-                drop_closed_loops(self._partitions)
-                part = self._partitions[loop] = Partition(
-                    loop, self._detect_deadlocks, self._count_calls
-                )
-            self._cached = part
-        return part
-
-    def _inspected(self) -> Partition:
-        try:
-            loop = get_running_loop()
-        except RuntimeError:
-            return self._cached
-        return self._partition(loop)
-
-    def _here(self) -> tuple[Partition, Task]:
-        """The running loop's share and the current task (run and call inline this)."""
-        loop = running_loop()
-        part = self._partition(loop)
-        task = task_of(loop)
-        if task is None:
-            raise _outside_task()
-        return part, task
-
-    async def _await_turn(self, part: Partition, key: Hashable, waiter: Waiter) -> None:
-        try:
-            await waiter
-        except BaseException:
-            part.give_up(key, waiter)
-            raise
-        part.take_turn(key, waiter, asyncio.current_task())  # type: ignore[arg-type]
 
     # -- running calls --------------------------------------------------------------------
     #
@@ -228,44 +159,45 @@ class KeyedSerialQueue:
             loop = get_running_loop()
         except RuntimeError:
             raise no_event_loop() from None
-        part = self._cached
-        if part.loop is not loop:
-            part = self._partition(loop)
+        share = self._shares.cached
+        if share.loop is not loop:
+            share = self._shares.of(loop)
         task = task_of(loop)
         if task is None:
-            raise _outside_task()
+            raise outside_task()
+        holders = share.holders
         try:
-            holder = part.get(key)
+            holder = holders.get(key)
         except Exception as exc:
             raise key_error(key, exc) from exc
         if holder is None:
-            if part.closed:
+            if share.closed:
                 raise closed_error(key)
-            part[key] = task  # the uncontended path: one dict entry, nothing else
+            holders[key] = task  # the uncontended path: one dict entry, nothing else
         else:
-            waiter = part.register(key, holder, task, timeout, self._max_pending)
+            waiter = share.register(key, holder, task, timeout, self._max_pending)
             if waiter is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
             try:
                 await waiter
             except BaseException:
-                part.give_up(key, waiter)
+                share.give_up(key, waiter)
                 raise
-            part.take_turn(key, waiter, task)
+            share.take_turn(key, waiter, task)
         try:
             if kwargs:
                 return await fn(*args, **kwargs)
             return await fn(*args)  # type: ignore[call-arg]  # kwargs is empty; unpacking it costs
         except BaseException as exc:
-            part.count_failure(exc)
+            share.counts.failure(exc)
             raise
         finally:
             try:
-                held = part.pop(key)
+                held = holders.pop(key)
             except Exception as exc:  # the key broke during the turn: never leave it stuck
-                raise part.remove_broken(key, exc) from exc
-            if held is not task or part.attention:
-                part.end_turn(key, held, task)
+                raise share.remove_broken(key, exc) from exc
+            if held is not task or share.attention:
+                share.end_turn(key, held, task)
 
     async def call(
         self,
@@ -307,44 +239,45 @@ class KeyedSerialQueue:
             loop = get_running_loop()
         except RuntimeError:
             raise no_event_loop() from None
-        part = self._cached
-        if part.loop is not loop:
-            part = self._partition(loop)
+        share = self._shares.cached
+        if share.loop is not loop:
+            share = self._shares.of(loop)
         task = task_of(loop)
         if task is None:
-            raise _outside_task()
+            raise outside_task()
+        holders = share.holders
         try:
-            holder = part.get(key)
+            holder = holders.get(key)
         except Exception as exc:
             raise key_error(key, exc) from exc
         if holder is None:
-            if part.closed:
+            if share.closed:
                 raise closed_error(key)
-            part[key] = task  # the uncontended path: one dict entry, nothing else
+            holders[key] = task  # the uncontended path: one dict entry, nothing else
         else:
-            waiter = part.register(key, holder, task, timeout, self._max_pending, group)
+            waiter = share.register(key, holder, task, timeout, self._max_pending, group)
             if waiter is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
             try:
                 await waiter
             except BaseException:
-                part.give_up(key, waiter)
+                share.give_up(key, waiter)
                 raise
-            part.take_turn(key, waiter, task)
+            share.take_turn(key, waiter, task)
         try:
             if kwargs:
                 return await fn(*args, **kwargs)
             return await fn(*args)  # kwargs is empty: unpacking it costs measurably here
         except BaseException as exc:
-            part.count_failure(exc)
+            share.counts.failure(exc)
             raise
         finally:
             try:
-                held = part.pop(key)
+                held = holders.pop(key)
             except Exception as exc:  # the key broke during the turn: never leave it stuck
-                raise part.remove_broken(key, exc) from exc
-            if held is not task or part.attention:
-                part.end_turn(key, held, task)
+                raise share.remove_broken(key, exc) from exc
+            if held is not task or share.attention:
+                share.end_turn(key, held, task)
 
     def submit(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
@@ -377,26 +310,7 @@ class KeyedSerialQueue:
         if not callable(fn):
             raise TypeError(f"submit() needs an async callable, got {fn!r}")
         loop = running_loop()
-        part = self._partition(loop)
-        if part.closed:
-            raise closed_error(key)
-        try:
-            holder = part.get(key)
-        except Exception as exc:
-            raise key_error(key, exc) from exc
-        if holder is None:
-            # The task may start eagerly inside create_task, so the turn is reserved first.
-            part[key] = KeyState(GRANTED)
-            waiter: Waiter | None = granted_waiter(part, key)
-        else:
-            waiter = part.register(key, holder, NEW_TASK, None, self._max_pending)
-        assert waiter is not None  # a task that does not exist yet holds nothing
-        submission = _Submission(self, part, key, waiter)
-        coroutine = cast("CoroutineType[Any, Any, T]", submission.execute(fn, args, kwargs))
-        coroutine.__qualname__ = getattr(fn, "__qualname__", coroutine.__qualname__)
-        task = loop.create_task(coroutine)
-        task.add_done_callback(submission.withdraw_if_unstarted)
-        return task
+        return submit(self._shares.of(loop), key, fn, args, kwargs, self._max_pending)
 
     def lock(
         self, key: Hashable, timeout: float | None = None, group: Hashable | None = None
@@ -425,38 +339,9 @@ class KeyedSerialQueue:
             True
         """
         _check_timeout(timeout)
-        return _KeyLock(self, key, timeout, group)
+        return TurnLock(self._shares, key, timeout, group, self._max_pending)
 
     # -- several keys at once ---------------------------------------------------------------
-
-    def _entered(self, keys: Iterable[Hashable]) -> tuple[Partition, Task, tuple[Hashable, ...]]:
-        """The running loop's share, the current task and ``keys`` checked and deduplicated."""
-        part, task = self._here()
-        if isinstance(keys, (str, bytes)):
-            raise TypeError(f"keys must be an iterable of keys, not a single {type(keys).__name__}")
-        unique: dict[Hashable, None] = {}
-        for key in keys:
-            try:
-                unique[key] = None
-            except Exception as exc:
-                raise key_error(key, exc) from exc
-        if not unique:
-            raise ValueError("a multi-key call needs at least one key")
-        return part, task, tuple(unique)
-
-    async def _acquire_all(
-        self, keys: Iterable[Hashable], timeout: float | None
-    ) -> tuple[Partition, MultiRegistration]:
-        part, task, unique = self._entered(keys)
-        registration = part.register_all(unique, task, timeout, self._max_pending)
-        if registration.turn is not None and registration.turn.missing:
-            try:
-                await registration.turn.future
-            except BaseException:
-                part.give_up_all(registration)
-                raise
-        part.take_all(registration)
-        return part, registration
 
     async def run_all(
         self,
@@ -488,7 +373,8 @@ class KeyedSerialQueue:
             >>> asyncio.run(KeyedSerialQueue().run_all(["a", "b"], merge, "a", "b"))
             'a -> b'
         """
-        part, registration = await self._acquire_all(keys, None)
+        share, task = self._shares.running()
+        registration = await acquire_all(share, task, keys, None, self._max_pending)
         error: BaseException | None = None
         try:
             return await fn(*args, **kwargs)
@@ -496,8 +382,8 @@ class KeyedSerialQueue:
             error = exc
             raise
         finally:
-            part.count_end(error)
-            part.leave_all(registration, task_of(part.loop))  # type: ignore[arg-type]
+            share.counts.end(error)
+            leave_all(share, registration, task)
 
     def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
         """Hold the turns of all ``keys`` for the body of an ``async with`` block.
@@ -520,7 +406,7 @@ class KeyedSerialQueue:
             [True, True]
         """
         _check_timeout(timeout)
-        return _KeysLock(self, keys, timeout)
+        return TurnsLock(self._shares, keys, timeout, self._max_pending)
 
     # -- inspection and shutdown ----------------------------------------------------------
 
@@ -533,7 +419,7 @@ class KeyedSerialQueue:
             0
         """
         try:
-            return self._inspected().pending_of(key)
+            return self._shares.inspected().pending_of(key)
         except Exception as exc:
             raise key_error(key, exc) from exc
 
@@ -546,7 +432,7 @@ class KeyedSerialQueue:
             False
         """
         try:
-            return self._inspected().holder_of(key) is not None
+            return self._shares.inspected().holder_of(key) is not None
         except Exception as exc:
             raise key_error(key, exc) from exc
 
@@ -571,23 +457,25 @@ class KeyedSerialQueue:
             >>> KeyedSerialQueue(count_calls=True).stats().started
             0
         """
-        return snapshot(self._inspected(), time.monotonic())
+        share = self._shares.inspected()
+        now = share.loop.time() if share.loop is not None else 0.0
+        return snapshot(share.holders, share.counts, now)
 
     def __len__(self) -> int:
         """Number of keys with registered work in the running loop's share."""
-        return len(self._inspected())
+        return len(self._shares.inspected().holders)
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` has registered work in the running loop's share."""
         try:
-            return key in self._inspected()
+            return key in self._shares.inspected().holders
         except Exception:
             return False  # a key that cannot be hashed or compared has no work registered
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`aclose` was called (for the running event loop)."""
-        return self._inspected().closed
+        return self._shares.inspected().closed
 
     async def join(self) -> None:
         """Wait until no work is registered; work registered while waiting is waited for too.
@@ -605,16 +493,17 @@ class KeyedSerialQueue:
             >>> asyncio.run(main())
             0
         """
-        part = self._partition(running_loop())
-        if not part:
+        loop = running_loop()
+        share = self._shares.of(loop)
+        if not share.holders:
             return
-        idle: asyncio.Future[None] = part.loop.create_future()  # type: ignore[union-attr]
-        part.idle_waiters.append(idle)
-        part.attention = True
+        idle: asyncio.Future[None] = loop.create_future()
+        share.idle_waiters.append(idle)
+        share.attention = True
         try:
             await idle
         except BaseException:
-            part.forget_idle_waiter(idle)  # cancelled or timed out: leave nothing behind
+            share.forget_idle_waiter(idle)  # cancelled or timed out: leave nothing behind
             raise
 
     async def aclose(self) -> None:
@@ -633,178 +522,52 @@ class KeyedSerialQueue:
             >>> asyncio.run(main())
             True
         """
-        self._partition(running_loop()).closed = True
+        self._shares.of(running_loop()).closed = True
         await self.join()
 
     def __repr__(self) -> str:
-        part = self._inspected()
-        state = "closed" if part.closed else "open"
-        return f"<KeyedSerialQueue {state} keys={len(part)} max_pending={self._max_pending}>"
+        share = self._shares.inspected()
+        state = "closed" if share.closed else "open"
+        keys = len(share.holders)
+        return f"<KeyedSerialQueue {state} keys={keys} max_pending={self._max_pending}>"
 
 
-class _Submission:
-    """The registration made by ``submit``, and its withdrawal if the task never starts."""
-
-    __slots__ = ("key", "part", "queue", "started", "waiter")
-
-    def __init__(
-        self, queue: KeyedSerialQueue, part: Partition, key: Hashable, waiter: Waiter
-    ) -> None:
-        self.queue = queue
-        self.part = part
-        self.key = key
-        self.waiter = waiter
-        self.started = False
-
-    async def execute(
-        self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> T:
-        self.started = True
-        queue, part, key = self.queue, self.part, self.key
-        waiter = self.waiter
-        if not waiter.done() and part.detect_deadlocks:
-            # Checked now rather than in submit(): by its first step, a holder that submitted
-            # this task may already be awaiting it, which is a cycle.
-            task: Task = asyncio.current_task()  # type: ignore[assignment]
-            try:
-                recheck = check_no_cycle(part, task, (key,))
-            except DeadlockError:
-                part.give_up(key, waiter)
-                raise
-            if recheck:
-                check_later(part, task, (key,), waiter, waiter.set_result)
-        await queue._await_turn(part, key, waiter)
-        error: BaseException | None = None
-        try:
-            return await fn(*args, **kwargs)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            part.count_end(error)
-            try:
-                state = part[key]
-            except Exception as exc:  # the key broke during the turn: never leave it stuck
-                raise part.remove_broken(key, exc) from exc
-            part.release(key, state)  # type: ignore[arg-type]
-
-    def withdraw_if_unstarted(self, task: asyncio.Task[Any]) -> None:
-        # A task cancelled before its first step never runs execute()'s cleanup.
-        if not self.started:
-            self.part.give_up(self.key, self.waiter)
+_OBSERVED_QUEUE: list[type[KeyedSerialQueue]] = []
 
 
-class _KeyLock:
-    """The async context manager returned by :meth:`KeyedSerialQueue.lock`."""
+def register_observed_queue(cls: type[KeyedSerialQueue]) -> None:
+    """Make ``cls`` the queue built for ``KeyedSerialQueue(observer=..., slow_turn=...)``.
 
-    __slots__ = ("_fence_token", "_group", "_key", "_part", "_queue", "_task", "_timeout")
-
-    def __init__(
-        self, queue: KeyedSerialQueue, key: Hashable, timeout: float | None, group: Hashable | None
-    ) -> None:
-        self._queue = queue
-        self._key = key
-        self._timeout = timeout
-        self._group = group
-        self._part: Partition | None = None
-        self._task: Task | None = None
-        self._fence_token: Token[Any] | None = None
-
-    async def __aenter__(self) -> None:
-        if self._part is not None:
-            raise RuntimeError("a keyserial lock() object cannot be entered twice at once")
-        queue, key = self._queue, self._key
-        part, task = queue._here()
-        try:
-            holder = part.get(key)
-        except Exception as exc:
-            raise key_error(key, exc) from exc
-        if holder is None:
-            if part.closed:
-                raise closed_error(key)
-            part[key] = task
-        else:
-            waiter = part.register(
-                key, holder, task, self._timeout, queue._max_pending, self._group
-            )
-            if waiter is None:
-                return  # re-entry: the outer turn stays in charge of releasing
-            await queue._await_turn(part, key, waiter)
-        self._part, self._task = part, task
-        owner = sys._getframe(1)  # the coroutine running the ``async with`` block
-        self._fence_token = enter_lock_block(owner, lambda: part.fence_for((key,)))
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        part, task = self._part, self._task
-        if part is not None and task is not None:
-            self._part = self._task = None
-            if self._fence_token is not None:
-                exit_lock_block(self._fence_token)
-                self._fence_token = None
-            part.count_end(exc)
-            part.leave(self._key, task)
+    The observing module registers its queue here, so that this module need not import it.
+    """
+    _OBSERVED_QUEUE[:] = [cls]
 
 
-class _KeysLock:
-    """The async context manager returned by :meth:`KeyedSerialQueue.lock_all`."""
+def _observed_queue_class() -> type[KeyedSerialQueue]:
+    if not _OBSERVED_QUEUE:
+        from . import _observe  # noqa: F401  # registers itself; imported with keyserial
 
-    __slots__ = ("_fence_token", "_held", "_keys", "_queue", "_timeout")
-
-    def __init__(
-        self, queue: KeyedSerialQueue, keys: Iterable[Hashable], timeout: float | None
-    ) -> None:
-        self._queue = queue
-        self._keys = keys
-        self._timeout = timeout
-        self._held: tuple[Partition, MultiRegistration] | None = None
-        self._fence_token: Token[Any] | None = None
-
-    async def __aenter__(self) -> None:
-        if self._held is not None:
-            raise RuntimeError("a keyserial lock_all() object cannot be entered twice at once")
-        self._held = part, registration = await self._queue._acquire_all(self._keys, self._timeout)
-        owner = sys._getframe(1)  # the coroutine running the ``async with`` block
-        self._fence_token = enter_lock_block(owner, lambda: part.fence_for(registration.keys))
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._held is not None:
-            part, registration = self._held
-            self._held = None
-            if self._fence_token is not None:
-                exit_lock_block(self._fence_token)
-                self._fence_token = None
-            part.count_end(exc)
-            part.leave_all(registration, task_of(part.loop))  # type: ignore[arg-type]
+    return _OBSERVED_QUEUE[0]
 
 
 def _single_key_fence(frame: Mapping[str, Any]) -> int | None:
-    return frame["part"].fence_for((frame["key"],))  # type: ignore[no-any-return]
+    return frame["share"].fence_for((frame["key"],))  # type: ignore[no-any-return]
 
 
 def _multi_key_fence(frame: Mapping[str, Any]) -> int | None:
-    return frame["part"].fence_for(frame["registration"].keys)  # type: ignore[no-any-return]
+    return frame["share"].fence_for(frame["registration"].keys)  # type: ignore[no-any-return]
 
 
-# Frames of these methods run a turn: current_fence() finds them on the task's await chain.
+# Frames of these methods run a turn: current_fence() finds them on the task's await chain,
+# and the deadlock check names a task running one after the function it runs.
 register_turn_code(KeyedSerialQueue.run.__code__, _single_key_fence)
 register_turn_code(KeyedSerialQueue.call.__code__, _single_key_fence)
-register_turn_code(_Submission.execute.__code__, _single_key_fence)
+register_turn_code(Submission.execute.__code__, _single_key_fence)
 register_turn_code(KeyedSerialQueue.run_all.__code__, _multi_key_fence)
-
 for _code in (
     KeyedSerialQueue.run.__code__,
     KeyedSerialQueue.call.__code__,
     KeyedSerialQueue.run_all.__code__,
-    _Submission.execute.__code__,
+    Submission.execute.__code__,
 ):
     register_entry_code(_code)

@@ -9,10 +9,9 @@ keys, registered on all of them in one step).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from collections.abc import Hashable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 Task = asyncio.Task[Any]
 
@@ -32,17 +31,28 @@ class KeyHolders(Protocol):
 class Waiter(asyncio.Future):  # type: ignore[type-arg]
     """What a waiting call awaits.
 
-    Its result is True once granted, False on timeout, None if superseded, or the
-    ``DeadlockError`` found when the wait was checked again after an eager step. It also
-    says what it waits for: the deadlock check follows a blocked task's ``_fut_waiter`` to
-    it, so waiting costs no extra bookkeeping.
+    Its result is True once granted, False on timeout, None if superseded, or the error
+    the wait was refused with after registering (a ``DeadlockError`` found once an eager
+    step ended, a key that broke). It also says what it waits for: the deadlock check
+    follows a blocked task's ``_fut_waiter`` to it, so waiting costs no extra bookkeeping.
     """
 
-    __slots__ = ("keys", "part", "since", "timer")
-    since: float  # when the call registered
-    part: KeyHolders  # whose keys
+    __slots__ = ("keys", "share", "since", "timer")
+    since: float  # when the call registered, on the loop's clock
+    share: KeyHolders  # whose keys
     keys: tuple[Hashable, ...]  # the keys it waits for
     timer: asyncio.TimerHandle | None  # bounds the wait, if it has a timeout
+
+
+def new_waiter(
+    loop: asyncio.AbstractEventLoop, share: KeyHolders, keys: tuple[Hashable, ...]
+) -> Waiter:
+    waiter = Waiter(loop=loop)
+    waiter.since = loop.time()
+    waiter.share = share
+    waiter.keys = keys
+    waiter.timer = None
+    return waiter
 
 
 class MultiTurn:
@@ -54,7 +64,15 @@ class MultiTurn:
         self.future = future
         self.task = task
         self.missing = 0  # keys still to be handed to it
-        self.since = time.monotonic()
+        self.since = future.since
+
+
+class MultiRegistration(NamedTuple):
+    """A multi-key call: the keys it had to acquire (not those it already held)."""
+
+    turn: MultiTurn | None  # None: every key was free and is held like an uncontended call
+    keys: tuple[Hashable, ...]
+    timer: asyncio.TimerHandle | None
 
 
 class KeyState:
@@ -62,7 +80,7 @@ class KeyState:
 
     __slots__ = ("holder", "latest", "pending", "since", "waiters")
 
-    def __init__(self, holder: object) -> None:
+    def __init__(self, holder: object, now: float) -> None:
         # The running task, GRANTED, a MultiTurn collecting its keys, or None when the turn
         # is free and only dead waiters (not yet resumed) keep the state alive.
         self.holder = holder
@@ -74,4 +92,9 @@ class KeyState:
         self.latest: dict[Hashable, Waiter] | None = None
         # When the current turn started; for a turn that began uncontended, when the first
         # call queued behind it (the turn is at least that old).
-        self.since = time.monotonic()
+        self.since = now
+
+
+def is_dead(waiter: Waiter | MultiTurn) -> bool:
+    """Whether a queued waiter has stopped waiting (cancelled, timed out, superseded)."""
+    return (waiter.future if type(waiter) is MultiTurn else waiter).done()  # type: ignore[union-attr]

@@ -12,7 +12,7 @@ from collections.abc import Hashable
 
 from opentelemetry import metrics
 
-from ._observe import Outcome, QueueObserver
+from ._observer import Outcome, QueueObserver
 
 __all__ = ["OpenTelemetryObserver"]
 

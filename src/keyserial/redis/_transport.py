@@ -22,7 +22,26 @@ from redis.asyncio import BlockingConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from ._loops import drop_closed_loops
+from .._loops import drop_closed_loops
+
+
+class RedisUnavailable(ConnectionError):
+    """Redis could not be reached (or answered with an error); the call did not run.
+
+    A call never runs without holding its turn: when Redis is unreachable,
+    registering or waiting fails with this error. Once Redis is back, the queue
+    works again without being recreated.
+
+    Example:
+        >>> issubclass(RedisUnavailable, ConnectionError)
+        True
+    """
+
+
+def text(value: object) -> str:
+    """A reply as text, from a client with or without ``decode_responses``."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
 
 #: Idle connections kept per event loop, and at most a quarter of the pool's
 #: ``max_connections``, so that the pool still serves its other users; more go back to the

@@ -1,0 +1,133 @@
+"""The context managers of ``lock()`` and ``lock_all()``: turns held for an ``async with`` block."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Hashable, Iterable
+from contextvars import Token
+from types import TracebackType
+from typing import Any
+
+from ._fence import enter_lock_block, exit_lock_block
+from ._loops import LoopShares
+from ._multikey import acquire_all, leave_all
+from ._records import MultiRegistration
+from ._share import LoopShare, closed_error, key_error
+
+Task = asyncio.Task[Any]
+
+
+class TurnLock:
+    """What ``KeyedSerialQueue.lock()`` returns: ``key``'s turn, for the block."""
+
+    __slots__ = (
+        "_fence_token",
+        "_group",
+        "_key",
+        "_max_pending",
+        "_share",
+        "_shares",
+        "_task",
+        "_timeout",
+    )
+
+    def __init__(
+        self,
+        shares: LoopShares,
+        key: Hashable,
+        timeout: float | None,
+        group: Hashable | None,
+        max_pending: int | None,
+    ) -> None:
+        self._shares = shares
+        self._key = key
+        self._timeout = timeout
+        self._group = group
+        self._max_pending = max_pending
+        self._share: LoopShare | None = None
+        self._task: Task | None = None
+        self._fence_token: Token[Any] | None = None
+
+    async def __aenter__(self) -> None:
+        if self._share is not None:
+            raise RuntimeError("a keyserial lock() object cannot be entered twice at once")
+        key = self._key
+        share, task = self._shares.running()
+        try:
+            holder = share.holders.get(key)
+        except Exception as exc:
+            raise key_error(key, exc) from exc
+        if holder is None:
+            if share.closed:
+                raise closed_error(key)
+            share.holders[key] = task
+        else:
+            waiter = share.register(
+                key, holder, task, self._timeout, self._max_pending, self._group
+            )
+            if waiter is None:
+                return  # re-entry: the outer turn stays in charge of releasing
+            await share.await_turn(key, waiter, task)
+        self._share, self._task = share, task
+        owner = sys._getframe(1)  # the coroutine running the ``async with`` block
+        self._fence_token = enter_lock_block(owner, lambda: share.fence_for((key,)))
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        share, task = self._share, self._task
+        if share is not None and task is not None:
+            self._share = self._task = None
+            if self._fence_token is not None:
+                exit_lock_block(self._fence_token)
+                self._fence_token = None
+            share.counts.end(exc)
+            share.leave(self._key, task)
+
+
+class TurnsLock:
+    """What ``KeyedSerialQueue.lock_all()`` returns: the turns of all ``keys``, for the block."""
+
+    __slots__ = ("_fence_token", "_held", "_keys", "_max_pending", "_shares", "_timeout")
+
+    def __init__(
+        self,
+        shares: LoopShares,
+        keys: Iterable[Hashable],
+        timeout: float | None,
+        max_pending: int | None,
+    ) -> None:
+        self._shares = shares
+        self._keys = keys
+        self._timeout = timeout
+        self._max_pending = max_pending
+        self._held: tuple[LoopShare, Task, MultiRegistration] | None = None
+        self._fence_token: Token[Any] | None = None
+
+    async def __aenter__(self) -> None:
+        if self._held is not None:
+            raise RuntimeError("a keyserial lock_all() object cannot be entered twice at once")
+        share, task = self._shares.running()
+        registration = await acquire_all(share, task, self._keys, self._timeout, self._max_pending)
+        self._held = (share, task, registration)
+        owner = sys._getframe(1)  # the coroutine running the ``async with`` block
+        self._fence_token = enter_lock_block(owner, lambda: share.fence_for(registration.keys))
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._held is not None:
+            share, task, registration = self._held
+            self._held = None
+            if self._fence_token is not None:
+                exit_lock_block(self._fence_token)
+                self._fence_token = None
+            share.counts.end(exc)
+            leave_all(share, registration, task)

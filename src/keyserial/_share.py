@@ -1,0 +1,382 @@
+"""One event loop's share of a queue: who holds each key's turn, and who waits for it.
+
+A key used by one call at a time is a single entry of ``holders``, the holding task: the
+uncontended path in ``KeyedSerialQueue.run`` touches that one plain dict and nothing else.
+The first time a call has to wait, the entry becomes a ``KeyState`` with the waiters in
+registration order; it is dropped with the key once the last registered call is gone.
+
+Ending a wait has three verbs here: ``take_turn`` (the wait ended; use the turn or raise
+why not), ``give_up`` (the waiting call was interrupted) and ``release`` (a turn ends: hand
+it to the next live waiter). Everything else a call does to a key goes through them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import deque
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from ._awaits import is_running, is_task
+from ._deadlock import check_later, check_no_cycle
+from ._errors import BrokenKeyError, QueueClosed, QueueFull, Superseded
+from ._fence import FenceBook
+from ._records import GRANTED, NEW_TASK, KeyState, MultiTurn, Waiter, is_dead, new_waiter
+from ._stats import Counts
+
+Task = asyncio.Task[Any]
+
+#: Dead waiters (cancelled or timed out) are dropped lazily; the deque is rebuilt once
+#: they outnumber the live ones by this much, so cancelling many stays linear.
+COMPACT_SLACK = 32
+#: Only Python 3.12 and later start tasks eagerly (``eager_task_factory``).
+_EAGER_TASKS = sys.version_info >= (3, 12)
+
+
+def closed_error(key: Hashable) -> QueueClosed:
+    return QueueClosed(f"queue is closed; cannot register key {safe_repr(key)}")
+
+
+def safe_repr(key: object) -> str:
+    """``repr(key)``, or a description of it when its ``__repr__`` fails too."""
+    try:
+        return repr(key)
+    except Exception:
+        return f"<{type(key).__name__} object>"
+
+
+def key_error(key: object, error: Exception) -> TypeError:
+    """The error for a key that cannot be hashed or compared, for every method that takes one."""
+    if isinstance(error, TypeError) and "unhashable" in str(error):
+        name = type(key).__name__
+        return TypeError(f"keyserial keys must be hashable, got {name}: {safe_repr(key)}")
+    return TypeError(
+        f"keyserial keys must be hashable and comparable; {safe_repr(key)} raised {error!r}"
+    )
+
+
+def expire(future: asyncio.Future[Any]) -> None:
+    """A wait's timer fired: end the wait with False (timed out) unless it ended already."""
+    if not future.done():
+        future.set_result(False)
+
+
+def _refused_for_broken_key(waiter: Waiter) -> bool:
+    return waiter.done() and not waiter.cancelled() and type(waiter.result()) is BrokenKeyError
+
+
+def _pop_identical(entries: dict[Any, Any], key: object) -> Any:
+    """Remove the entry whose key *is* ``key`` without comparing it to any other key.
+
+    ``popitem`` takes the newest entry without a lookup; the entries taken before ours
+    are put back (they compared fine with each other when they were first inserted).
+    """
+    if not any(present is key for present in entries):
+        return None
+    taken: list[tuple[Any, Any]] = []
+    try:
+        while True:
+            present, value = entries.popitem()
+            if present is key:
+                return value
+            taken.append((present, value))
+    finally:
+        for present, value in reversed(taken):
+            entries[present] = value
+
+
+class LoopShare:
+    """One event loop's share of a queue: the key table and single-key hand-off."""
+
+    __slots__ = (
+        "attention",
+        "closed",
+        "counts",
+        "detect_deadlocks",
+        "fences",
+        "holders",
+        "idle_waiters",
+        "loop",
+    )
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop | None,
+        detect_deadlocks: bool,
+        count_calls: bool = False,
+    ) -> None:
+        self.loop = loop
+        #: key -> the task holding its turn, or its KeyState once contended.
+        self.holders: dict[Hashable, Task | KeyState] = {}
+        self.closed = False
+        self.detect_deadlocks = detect_deadlocks
+        self.counts = Counts(count_calls)
+        self.fences = FenceBook()
+        # join() calls waiting for the table to empty.
+        self.idle_waiters: list[asyncio.Future[None]] = []
+        # True while a turn's end has more to do than free the key: count it, wake join(),
+        # drop a fence. The uncontended path checks this one flag instead of each reason.
+        self.attention = count_calls
+
+    def update_attention(self) -> None:
+        self.attention = self.counts.counting or bool(self.fences or self.idle_waiters)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def holder_of(self, key: Hashable) -> object:
+        held = self.holders.get(key)
+        return held.holder if type(held) is KeyState else held
+
+    def holding_task(self, key: Hashable) -> Task | None:
+        """The task holding ``key``'s turn, or waiting to collect it with other keys."""
+        holder = self.holder_of(key)
+        if type(holder) is MultiTurn:
+            return holder.task
+        return holder if is_task(holder) else None
+
+    def pending_of(self, key: Hashable) -> int:
+        held = self.holders.get(key)
+        if held is None:
+            return 0
+        return held.pending if type(held) is KeyState else 1
+
+    def fence_for(self, keys: Sequence[Hashable]) -> int | None:
+        """The fence of the running turn holding ``keys`` (see ``FenceBook``)."""
+        fence = self.fences.fence_for(keys)
+        if fence is not None:
+            self.attention = True  # the turn's end must drop it
+        return fence
+
+    # -- idle -------------------------------------------------------------------------------
+
+    def forget(self, key: Hashable) -> None:
+        """Drop a key whose last registered call is gone, waking ``join`` if now idle."""
+        del self.holders[key]
+        if not self.holders and self.idle_waiters:
+            self.wake_idle()
+
+    def wake_idle(self) -> None:
+        waiters, self.idle_waiters = self.idle_waiters, []
+        self.update_attention()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def forget_idle_waiter(self, idle: asyncio.Future[None]) -> None:
+        """A ``join()`` stopped waiting (cancelled, timed out): drop its future."""
+        self.idle_waiters = [waiter for waiter in self.idle_waiters if waiter is not idle]
+        self.update_attention()
+
+    # -- registering ------------------------------------------------------------------------
+
+    def contended(self, key: Hashable, held: Task | KeyState) -> KeyState:
+        """``key``'s state, made a KeyState if it was a plain holding task."""
+        if type(held) is KeyState:
+            return held
+        state = self.holders[key] = KeyState(held, self.loop.time())  # type: ignore[union-attr]
+        return state
+
+    def register(
+        self,
+        key: Hashable,
+        held: Task | KeyState,
+        owner: object,
+        timeout: float | None,
+        max_pending: int | None,
+        group: Hashable | None = None,
+    ) -> Waiter | None:
+        """Register ``owner`` on the busy ``key``; ``None`` if ``owner`` holds it (re-entry).
+
+        A call with a ``group`` supersedes the waiting call of the same key and group.
+        Raises QueueClosed, QueueFull, or DeadlockError if waiting would close a cycle.
+        """
+        holder = held.holder if type(held) is KeyState else held
+        if holder is owner:
+            return None
+        if self.closed:
+            raise closed_error(key)
+        pending = held.pending if type(held) is KeyState else 1
+        replaced = None
+        if group is not None and type(held) is KeyState and held.latest is not None:
+            replaced = held.latest.get(group)
+            if replaced is not None and replaced.done():
+                replaced = None
+        if max_pending is not None and pending - (replaced is not None) >= max_pending:
+            self.counts.rejected += 1
+            raise QueueFull(key, max_pending)
+        recheck = False
+        if holder is not None and owner is not NEW_TASK and self.detect_deadlocks:
+            # Walk only if the holder itself waits on something: usually it is running.
+            blocking = holder.task if type(holder) is MultiTurn else holder
+            if getattr(blocking, "_fut_waiter", None) is not None or (
+                _EAGER_TASKS and is_task(blocking) and is_running(blocking)
+            ):
+                recheck = check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
+        loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
+        state = self.contended(key, held)
+        state.pending += 1
+        if state.holder is None:
+            state.holder = GRANTED
+            waiter = new_waiter(loop, self, (key,))
+            waiter.set_result(True)
+            return waiter
+        waiter = new_waiter(loop, self, (key,))
+        state.waiters.append(waiter)
+        if group is not None:
+            if replaced is not None:
+                replaced.set_result(None)  # superseded: it never starts
+                self.counts.superseded += 1
+                self.drop_dead_waiter(key, state)
+            if state.latest is None:
+                state.latest = {}
+            state.latest[group] = waiter
+        if timeout is not None:
+            waiter.timer = loop.call_later(timeout, expire, waiter)
+        if recheck:
+            check_later(self, owner, (key,), waiter, waiter.set_result)  # type: ignore[arg-type]
+        return waiter
+
+    # -- ending a wait ------------------------------------------------------------------------
+
+    async def await_turn(self, key: Hashable, waiter: Waiter, task: Task) -> None:
+        """Wait for the turn ``waiter`` stands for, then take it (or raise why not)."""
+        try:
+            await waiter
+        except BaseException:
+            self.give_up(key, waiter)
+            raise
+        self.take_turn(key, waiter, task)
+
+    def take_turn(self, key: Hashable, waiter: Waiter, task: Task) -> None:
+        """The wait ended: take the turn, or raise TimeoutError if the timer ended it."""
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        if (outcome := waiter.result()) is not True and type(outcome) is BrokenKeyError:
+            raise outcome
+        state: KeyState = self.holders[key]  # type: ignore[assignment]
+        if outcome is not True:
+            self.abandon(key, state, waiter)
+            if outcome is None:
+                raise Superseded(key)
+            if isinstance(outcome, BaseException):
+                raise outcome  # refused after registering: see check_later
+            self.counts.timed_out += 1
+            raise TimeoutError(f"timed out waiting for the turn of key {safe_repr(key)}")
+        state.holder = task
+        state.since = self.loop.time()  # type: ignore[union-attr]
+
+    def give_up(self, key: Hashable, waiter: Waiter) -> None:
+        """The wait for the turn was interrupted (cancelled, or another BaseException)."""
+        self.counts.cancelled += 1
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        if _refused_for_broken_key(waiter):
+            return  # the key's entry is gone already
+        self.abandon(key, self.holders[key], waiter)  # type: ignore[arg-type]
+
+    def abandon(self, key: Hashable, state: KeyState, waiter: Waiter | None) -> None:
+        """A registered call gives up before running; ``waiter=None`` means it had the turn."""
+        if self.loop.is_closed():  # type: ignore[union-attr]
+            return  # a coroutine finalized after its loop closed: that share is gone
+        done = waiter is not None and waiter.done() and not waiter.cancelled()
+        outcome = waiter.result() if done else False  # type: ignore[union-attr]
+        if waiter is None or outcome is True:
+            # The turn was handed over but its owner stopped before using it: pass it on.
+            self.release(key, state)
+            return
+        if outcome is None:
+            return  # superseded: accounted for when it was superseded
+        if not waiter.done():
+            waiter.cancel()
+        self.drop_dead_waiter(key, state)
+
+    def drop_dead_waiter(self, key: Hashable, state: KeyState) -> None:
+        state.pending -= 1
+        if state.pending == 0:
+            self.forget(key)
+        elif len(state.waiters) > 2 * state.pending + COMPACT_SLACK:
+            state.waiters = deque(w for w in state.waiters if not is_dead(w))
+
+    # -- ending a turn ------------------------------------------------------------------------
+
+    def release(self, key: Hashable, state: KeyState) -> None:
+        """End the current turn of a contended key: hand it to the next live waiter, if any."""
+        if self.loop.is_closed():  # type: ignore[union-attr]
+            return  # a coroutine finalized after its loop closed: that share is gone
+        if self.fences:
+            self.drop_fence(key)
+        state.pending -= 1
+        waiters = state.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if type(waiter) is MultiTurn:
+                if waiter.future.done():
+                    continue
+                state.holder = waiter
+                waiter.missing -= 1
+                if waiter.missing == 0:
+                    waiter.future.set_result(True)
+                return
+            if not waiter.done():  # type: ignore[union-attr]
+                state.holder = GRANTED
+                waiter.set_result(True)  # type: ignore[union-attr]
+                return
+        state.holder = None
+        if state.pending == 0:
+            self.forget(key)
+
+    def drop_fence(self, key: Hashable) -> None:
+        self.fences.drop(key)
+        if not self.fences:
+            self.update_attention()
+
+    def leave(self, key: Hashable, task: Task) -> None:
+        """End ``task``'s turn of ``key`` (a lock block's, or a key of a multi-key turn)."""
+        try:
+            held = self.holders.pop(key)
+        except Exception as exc:
+            raise self.remove_broken(key, exc) from exc
+        if held is not task or self.attention:
+            self.after_turn(key, held, task)
+
+    def end_turn(self, key: Hashable, held: Task | KeyState, task: Task) -> None:
+        """End a ``run``/``call`` turn whose entry ``held`` was popped: count it, hand it on."""
+        if self.counts.counting:
+            self.counts.ended += 1
+        self.after_turn(key, held, task)
+
+    def after_turn(self, key: Hashable, held: Task | KeyState, task: Task) -> None:
+        """Finish a turn whose entry ``held`` was popped: hand it on, or wake ``join``."""
+        if held is task:
+            if self.fences:
+                self.drop_fence(key)
+            if not self.holders and self.idle_waiters:
+                self.wake_idle()
+        else:
+            self.holders[key] = held
+            self.release(key, held)  # type: ignore[arg-type]
+
+    def remove_broken(self, key: Hashable, error: BaseException) -> BrokenKeyError:
+        """Drop ``key``, whose hash or equality just failed, and refuse the calls waiting for it.
+
+        A key that cannot be looked up any more cannot be handed on either: rather than
+        stay registered for ever, its entry is removed by identity and every waiting call
+        gets the error that the caller here gets.
+        """
+        broken = BrokenKeyError(
+            f"keyserial key {safe_repr(key)} failed to hash or compare while registered "
+            f"({error!r}); its turn ended and the calls waiting for it were refused"
+        )
+        held = _pop_identical(self.holders, key)
+        if self.fences:
+            self.fences.drop_identical(key)
+            self.update_attention()
+        if type(held) is KeyState:
+            for waiter in held.waiters:
+                future = waiter.future if type(waiter) is MultiTurn else waiter
+                if not future.done():  # type: ignore[union-attr]
+                    future.set_result(broken)  # type: ignore[union-attr]
+        if not self.holders and self.idle_waiters:
+            self.wake_idle()
+        return broken

@@ -1,0 +1,76 @@
+"""A turn held in Redis, and the keeper that renews its lease while its call runs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ._transport import RedisUnavailable
+
+Task = asyncio.Task[Any]
+
+
+class Turn:
+    """A turn held in Redis: its key's base name, ticket and fence, and whether it was lost."""
+
+    __slots__ = ("base", "fence", "lost", "ticket")
+
+    def __init__(self, base: str, ticket: str, fence: int) -> None:
+        self.base = base
+        self.ticket = ticket
+        self.fence = fence
+        self.lost = False
+
+
+#: Renews a turn's lease in Redis until a time: True if renewed, False if it was lost.
+Renew = Callable[["Turn", float], Awaitable[bool]]
+
+
+class LeaseKeeper:
+    """Renews a turn's lease every third of it while its call runs; on loss, interrupts the call.
+
+    A timer, not a task, waits between renewals: a call shorter than a third of the
+    lease costs no renewal at all. Each renewal is bounded by what is left of the lease:
+    a Redis that does not answer by then has let the lease expire, and the turn is lost.
+    """
+
+    __slots__ = ("expires", "lease", "loop", "renew", "renewal", "task", "timer", "turn")
+
+    def __init__(self, turn: Turn, task: Task, lease: float, renew: Renew) -> None:
+        self.turn = turn
+        self.task = task
+        self.lease = lease
+        self.renew = renew
+        self.loop = asyncio.get_running_loop()
+        self.expires = self.loop.time() + lease
+        self.renewal: Task | None = None
+        self.timer = self.loop.call_later(lease / 3, self._due)
+
+    def expired(self) -> bool:
+        """Whether the lease may have run out: no renewal was confirmed within it."""
+        return self.loop.time() >= self.expires
+
+    def _due(self) -> None:
+        self.renewal = self.loop.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        asked = self.loop.time()
+        try:
+            renewed: bool | None = await self.renew(self.turn, self.expires)
+        except (RedisUnavailable, TimeoutError):
+            renewed = None  # not confirmed: the lease may still hold
+        if renewed:
+            self.expires = asked + self.lease
+        if renewed or (renewed is None and not self.expired()):
+            # Renewed: again in a third of the lease. Not confirmed: try again soon.
+            delay = self.lease / 3 if renewed else min(self.lease / 10, 0.5)
+            self.timer = self.loop.call_later(delay, self._due)
+            return
+        self.turn.lost = True
+        self.task.cancel(msg="keyserial: lease lost")
+
+    def stop(self) -> None:
+        self.timer.cancel()
+        if self.renewal is not None:
+            self.renewal.cancel()

@@ -1,0 +1,85 @@
+"""``RedisKeyedQueue.lock()``: the process's own turn, then the Redis turn, for a block."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from contextvars import Token
+from types import TracebackType
+from typing import Any
+
+from .._errors import LeaseLost
+from .._fence import enter_lock_block, exit_lock_block
+from .._protocols import KeyLock
+from ._lease import LeaseKeeper, Turn
+from ._turns import RedisTurns
+
+Task = asyncio.Task[Any]
+
+
+class RedisLock:
+    """``RedisKeyedQueue.lock()``: the local turn, then the Redis turn, for a block."""
+
+    __slots__ = (
+        "_encoded",
+        "_fence_token",
+        "_keeper",
+        "_local",
+        "_task",
+        "_timeout",
+        "_turn",
+        "_turns",
+    )
+
+    def __init__(
+        self, turns: RedisTurns, local: KeyLock, encoded: str, timeout: float | None
+    ) -> None:
+        self._turns = turns
+        self._encoded = encoded
+        self._timeout = timeout
+        self._local = local  # the in-process queue's lock of the encoded key
+        self._turn: Turn | None = None
+        self._task: Task | None = None
+        self._keeper: LeaseKeeper | None = None
+        self._fence_token: Token[Any] | None = None
+
+    async def __aenter__(self) -> None:
+        turns, encoded = self._turns, self._encoded
+        loop = asyncio.get_running_loop()
+        deadline = None if self._timeout is None else loop.time() + self._timeout
+        await self._local.__aenter__()
+        task: Task = asyncio.current_task()  # type: ignore[assignment]
+        turn = turns.held.get((task, encoded))
+        if turn is None:  # not a re-entry: take the Redis turn for this block
+            try:
+                turn, self._keeper = await turns.take(encoded, deadline, task)
+            except BaseException:
+                await self._local.__aexit__(None, None, None)
+                raise
+            self._turn, self._task = turn, task
+        held = turn
+        self._fence_token = enter_lock_block(sys._getframe(1), lambda: held.fence)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if self._fence_token is not None:
+            exit_lock_block(self._fence_token)
+            self._fence_token = None
+        turn, keeper, task, lost = self._turn, self._keeper, self._task, False
+        self._turn = self._keeper = self._task = None
+        try:
+            if turn is not None and keeper is not None and task is not None:
+                lost = await self._turns.give_back(self._encoded, turn, keeper, task)
+        finally:
+            # The process's own turn is given back whatever became of the Redis release
+            # (cancelled, failed): a release that could not be sent is left to the lease.
+            await self._local.__aexit__(exc_type, exc, tb)
+        if turn is not None and task is not None and lost:
+            if isinstance(exc, asyncio.CancelledError) and sys.version_info >= (3, 11):
+                task.uncancel()
+            raise LeaseLost(self._encoded, turn.fence)
+        return False

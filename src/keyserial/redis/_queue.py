@@ -1,0 +1,220 @@
+"""``RedisKeyedQueue``: the in-process queue's order, with turns granted by Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping
+from typing import Any, ParamSpec, TypeVar
+
+import redis.asyncio as redis_asyncio
+
+from .._errors import LeaseLost
+from .._fence import register_turn_code
+from .._protocols import KeyLock
+from .._queue import KeyedSerialQueue
+from ._lease import Turn
+from ._lock import RedisLock
+from ._names import encode_key, encoded_namespace
+from ._turns import RedisTurns
+
+T = TypeVar("T")
+P = ParamSpec("P")
+Task = asyncio.Task[Any]
+
+#: The shortest lease accepted, in seconds: a waiter polls every third of it.
+MIN_LEASE = 0.1
+
+
+class RedisKeyedQueue:
+    """A keyed serial queue whose turns are granted by Redis, for many processes at once.
+
+    Calls with the same key, made in any process connected to the same Redis
+    with the same ``namespace``, run one at a time: at most one holds the turn
+    while leases hold. Turns are granted first come, first served in the order
+    requests reach Redis (a ticket queue per key), and within one process in
+    registration order. A waiter is woken by a Redis pub/sub message on its
+    process's own channel within one round trip of the release; a slow poll
+    (``lease / 3``) is the fallback for a lost message and the heartbeat that
+    keeps its ticket alive. Needs Redis 6.2 or later.
+
+    Each turn holds a lease of ``lease`` seconds, renewed in the background
+    while the call runs. A holder that dies loses its turn when the lease
+    expires; a waiter that dies is skipped once its ticket's heartbeat stops.
+    A holder paused past its lease loses the turn to the next caller, who gets
+    a higher fencing token ([current_fence][keyserial.current_fence]); the paused
+    call learns it with [LeaseLost][keyserial.LeaseLost]. Only tickets and fences
+    go to Redis, never the calls' data.
+
+    Every request to Redis is bounded by the call's ``timeout`` and by one lease:
+    a Redis that does not answer fails a call with ``TimeoutError`` or
+    [RedisUnavailable][keyserial.redis.RedisUnavailable], never hangs it. An
+    uncontended call costs two Redis round trips (acquire, release).
+
+    Args:
+        client: a ``redis.asyncio.Redis`` client (with or without
+            ``decode_responses``), whose pool lends the queue the connections it
+            uses (closing the client closes them), or a ``redis.asyncio.RedisCluster``.
+        namespace: separates queues sharing one Redis; all processes of one
+            queue must use the same one.
+        lease: seconds a turn is held without renewal, at least ``MIN_LEASE``
+            (0.1); the longest a dead holder can stall a key.
+        max_pending: per-key bound on this process's running plus waiting calls.
+
+    Raises:
+        TypeError: ``client`` is not an asyncio Redis client (a synchronous
+            ``redis.Redis``), or has no pub/sub (an asyncio ``RedisCluster``
+            before redis-py 8), or ``namespace`` is not a ``str``.
+        ValueError: ``namespace`` is empty, or ``lease`` is not a finite number
+            of seconds of at least ``MIN_LEASE``.
+
+    Example:
+        ```pycon
+        >>> import redis.asyncio as redis
+        >>> from keyserial.redis import RedisKeyedQueue
+        >>> queue = RedisKeyedQueue(redis.Redis(), namespace="transcripts", lease=10.0)
+
+        ```
+    """
+
+    def __init__(
+        self,
+        client: redis_asyncio.Redis | redis_asyncio.RedisCluster,
+        namespace: str,
+        lease: float = 10.0,
+        *,
+        max_pending: int | None = None,
+    ) -> None:
+        if not isinstance(client, (redis_asyncio.Redis, redis_asyncio.RedisCluster)):
+            raise TypeError(
+                "RedisKeyedQueue needs an asyncio client (redis.asyncio.Redis or "
+                f"redis.asyncio.RedisCluster), not {type(client).__module__}."
+                f"{type(client).__qualname__}"
+            )
+        if not hasattr(client, "pubsub"):
+            raise TypeError(
+                "RedisKeyedQueue needs a redis.asyncio client with pub/sub, not "
+                f"{type(client).__name__} (redis.asyncio.RedisCluster has it from redis-py 8.0)"
+            )
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
+        if not namespace:
+            raise ValueError("namespace must be a non-empty string")
+        if not (isinstance(lease, (int, float)) and math.isfinite(lease) and lease >= MIN_LEASE):
+            raise ValueError(
+                f"lease must be a finite number of seconds >= {MIN_LEASE}, got {lease!r}"
+            )
+        self._client = client
+        self._lease = float(lease)
+        self._local = KeyedSerialQueue(max_pending=max_pending)
+        self._turns = RedisTurns(client, encoded_namespace(namespace), self._lease)
+
+    @property
+    def lease(self) -> float:
+        """Seconds a turn is held without renewal."""
+        return self._lease
+
+    # -- running calls --------------------------------------------------------------------
+
+    async def _turn(
+        self,
+        encoded: str,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        deadline: float | None,
+    ) -> T:
+        task: Task = asyncio.current_task()  # type: ignore[assignment]
+        turns = self._turns
+        turn = turns.held.get((task, encoded))
+        if turn is not None:  # re-entry: the outer turn holds the key
+            return await fn(*args, **kwargs)
+        turn, keeper = await turns.take(encoded, deadline, task)
+        try:
+            result = await fn(*args, **kwargs)
+        except asyncio.CancelledError:
+            if turn.lost:
+                if sys.version_info >= (3, 11):
+                    task.uncancel()
+                raise LeaseLost(encoded, turn.fence) from None
+            raise
+        finally:
+            lost = await turns.give_back(encoded, turn, keeper, task)
+        if lost:
+            raise LeaseLost(encoded, turn.fence)
+        return result
+
+    def run(
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Coroutine[Any, Any, T]:
+        """Run ``await fn(*args, **kwargs)`` once this call holds ``key``'s turn in Redis.
+
+        Raises:
+            TypeError: ``key`` is not a str, bytes, int or a tuple of them.
+            RedisUnavailable: Redis could not be reached, or did not answer within a
+                lease; the call did not run.
+            LeaseLost: the call ran, but its lease was lost meanwhile (it was
+                paused or Redis lost its data); a later turn may have overlapped.
+            QueueClosed, QueueFull: as for [KeyedSerialQueue][keyserial.KeyedSerialQueue].
+        """
+        return self.call(key, fn, args, kwargs)
+
+    async def call(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+        group: Hashable | None = None,
+    ) -> T:
+        """[run][keyserial.redis.RedisKeyedQueue.run] with a bound on the wait for the turn.
+
+        ``timeout`` bounds the local and the Redis waits together, whatever Redis does: on
+        expiry the built-in ``TimeoutError`` is raised and ``fn`` never starts.
+
+        Raises:
+            ValueError: ``group`` is given (coalescing is in-process only).
+            TimeoutError: the turn did not come within ``timeout`` seconds.
+            TypeError, RedisUnavailable, LeaseLost, QueueClosed, QueueFull: as for ``run``.
+        """
+        if group is not None:
+            raise ValueError("RedisKeyedQueue does not coalesce: group= is in-process only")
+        encoded = encode_key(key)
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        return await self._local.call(
+            encoded, self._turn, (encoded, fn, args, kwargs, deadline), {}, timeout
+        )
+
+    def submit(
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> asyncio.Task[T]:
+        """Start ``run`` as a new task, registered in this process before returning."""
+        encoded = encode_key(key)
+        return self._local.submit(encoded, self._turn, encoded, fn, args, kwargs, None)
+
+    def lock(self, key: Hashable, timeout: float | None = None) -> KeyLock:
+        """Hold ``key``'s turn for the body of an ``async with`` block."""
+        encoded = encode_key(key)
+        return RedisLock(self._turns, self._local.lock(encoded, timeout), encoded, timeout)
+
+    async def join(self) -> None:
+        """Wait until this process has no registered work."""
+        await self._local.join()
+
+    async def aclose(self) -> None:
+        """Refuse new work here, wait for the registered work, and stop listening for grants.
+
+        Releases still going on in the background are given up to a lease to finish.
+        """
+        await self._local.aclose()
+        await self._turns.close()
+
+
+def _redis_turn_fence(frame: Mapping[str, Any]) -> int | None:
+    turn = frame.get("turn")
+    return turn.fence if isinstance(turn, Turn) else None
+
+
+register_turn_code(RedisKeyedQueue._turn.__code__, _redis_turn_fence)
