@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Hashable,
+    Iterator,
+    Mapping,
+)
 from typing import Any
 
 import pytest
 import pytest_asyncio
 import redis.asyncio as redis
+
+from keyserial import KeyedSerialQueue
 
 from .loops import LOOP_FACTORIES, LoopFactory
 from .redis_helpers import Clients
@@ -48,3 +58,33 @@ async def clients(redis_server: RedisServer) -> AsyncIterator[Clients]:
     yield make
     for client in made:
         await client.aclose()
+
+
+#: Runs ``fn(*args, **kwargs)`` in ``key``'s turn of ``queue``: through ``run`` or ``call``.
+RunInTurn = Callable[..., Coroutine[Any, Any, Any]]
+
+
+def _through_run(
+    queue: KeyedSerialQueue,
+    key: Hashable,
+    fn: Callable[..., Awaitable[Any]],
+    *args: Any,
+    **kwargs: Any,
+) -> Coroutine[Any, Any, Any]:
+    return queue.run(key, fn, *args, **kwargs)
+
+
+def _through_call(
+    queue: KeyedSerialQueue,
+    key: Hashable,
+    fn: Callable[..., Awaitable[Any]],
+    *args: Any,
+    **kwargs: Any,
+) -> Coroutine[Any, Any, Any]:
+    return queue.call(key, fn, args, kwargs)
+
+
+@pytest.fixture(params=["run", "call"])
+def run_in_turn(request: pytest.FixtureRequest) -> RunInTurn:
+    """``queue.run`` and ``queue.call`` in turn: the two copies of the hot path."""
+    return _through_run if request.param == "run" else _through_call

@@ -8,14 +8,15 @@ import pytest
 
 from keyserial import KeyedSerialQueue
 
+from .conftest import RunInTurn
 from .scheduling import Recorder, settle
 
 pytestmark = pytest.mark.asyncio
 
 
-async def test_cancelled_waiter_never_starts_and_order_is_kept() -> None:
+async def test_cancelled_waiter_never_starts_and_order_is_kept(run_in_turn: RunInTurn) -> None:
     queue, rec = KeyedSerialQueue(), Recorder()
-    tasks = {n: asyncio.create_task(queue.run("k", rec.step, n)) for n in "abcd"}
+    tasks = {n: asyncio.create_task(run_in_turn(queue, "k", rec.step, n)) for n in "abcd"}
     await settle()
     tasks["b"].cancel()
     await settle()
@@ -28,10 +29,12 @@ async def test_cancelled_waiter_never_starts_and_order_is_kept() -> None:
     assert len(queue) == 0
 
 
-async def test_cancelling_the_running_call_passes_the_turn_when_it_exits() -> None:
+async def test_cancelling_the_running_call_passes_the_turn_when_it_exits(
+    run_in_turn: RunInTurn,
+) -> None:
     queue, rec = KeyedSerialQueue(), Recorder()
-    first = asyncio.create_task(queue.run("k", rec.step, "a"))
-    second = asyncio.create_task(queue.run("k", rec.step, "b"))
+    first = asyncio.create_task(run_in_turn(queue, "k", rec.step, "a"))
+    second = asyncio.create_task(run_in_turn(queue, "k", rec.step, "b"))
     await settle()
     first.cancel()
     await settle()
@@ -42,11 +45,13 @@ async def test_cancelling_the_running_call_passes_the_turn_when_it_exits() -> No
     assert len(queue) == 0
 
 
-async def test_hand_off_race_cancelled_after_grant_passes_the_turn_on() -> None:
+async def test_hand_off_race_cancelled_after_grant_passes_the_turn_on(
+    run_in_turn: RunInTurn,
+) -> None:
     queue, rec = KeyedSerialQueue(), Recorder()
-    first = asyncio.create_task(queue.run("k", rec.step, "a"))
-    second = asyncio.create_task(queue.run("k", rec.step, "b"))
-    third = asyncio.create_task(queue.run("k", rec.step, "c"))
+    first = asyncio.create_task(run_in_turn(queue, "k", rec.step, "a"))
+    second = asyncio.create_task(run_in_turn(queue, "k", rec.step, "b"))
+    third = asyncio.create_task(run_in_turn(queue, "k", rec.step, "c"))
     await settle()
     # Release a and, before b's task resumes with the granted turn, cancel it.
     rec.gate("a").set()
@@ -62,10 +67,10 @@ async def test_hand_off_race_cancelled_after_grant_passes_the_turn_on() -> None:
     assert len(queue) == 0
 
 
-async def test_hand_off_race_with_no_one_behind_frees_the_key() -> None:
+async def test_hand_off_race_with_no_one_behind_frees_the_key(run_in_turn: RunInTurn) -> None:
     queue, rec = KeyedSerialQueue(), Recorder()
-    first = asyncio.create_task(queue.run("k", rec.step, "a"))
-    second = asyncio.create_task(queue.run("k", rec.step, "b"))
+    first = asyncio.create_task(run_in_turn(queue, "k", rec.step, "a"))
+    second = asyncio.create_task(run_in_turn(queue, "k", rec.step, "b"))
     await settle()
     rec.gate("a").set()
     await asyncio.sleep(0)
@@ -76,13 +81,13 @@ async def test_hand_off_race_with_no_one_behind_frees_the_key() -> None:
     assert not queue.locked("k")
 
 
-async def test_cancelled_waiter_whose_turn_came_meanwhile() -> None:
+async def test_cancelled_waiter_whose_turn_came_meanwhile(run_in_turn: RunInTurn) -> None:
     # The waiter is cancelled, then the holder releases in the same loop iteration
     # before the waiter's task resumes: the dead waiter must be skipped.
     queue, rec = KeyedSerialQueue(), Recorder()
-    first = asyncio.create_task(queue.run("k", rec.step, "a"))
-    second = asyncio.create_task(queue.run("k", rec.step, "b"))
-    third = asyncio.create_task(queue.run("k", rec.step, "c"))
+    first = asyncio.create_task(run_in_turn(queue, "k", rec.step, "a"))
+    second = asyncio.create_task(run_in_turn(queue, "k", rec.step, "b"))
+    third = asyncio.create_task(run_in_turn(queue, "k", rec.step, "c"))
     await settle()
     second.cancel()
     rec.gate("a").set()
@@ -133,9 +138,9 @@ async def test_submitted_task_granted_then_cancelled_before_starting() -> None:
     assert len(queue) == 0
 
 
-async def test_timeout_bounds_only_the_wait() -> None:
+async def test_timeout_bounds_only_the_wait(run_in_turn: RunInTurn) -> None:
     queue, rec = KeyedSerialQueue(), Recorder()
-    holder = asyncio.create_task(queue.run("k", rec.step, "holder"))
+    holder = asyncio.create_task(run_in_turn(queue, "k", rec.step, "holder"))
     await settle()
 
     async def never_runs() -> None:
@@ -147,7 +152,7 @@ async def test_timeout_bounds_only_the_wait() -> None:
         async with queue.lock("k", timeout=0.001):
             raise AssertionError("a timed-out lock must not be entered")
     assert queue.pending("k") == 1
-    behind = asyncio.create_task(queue.run("k", rec.step, "behind"))
+    behind = asyncio.create_task(run_in_turn(queue, "k", rec.step, "behind"))
     await settle()
     rec.gate("holder").set()
     rec.gate("behind").set()
@@ -156,9 +161,9 @@ async def test_timeout_bounds_only_the_wait() -> None:
     assert len(queue) == 0
 
 
-async def test_timeout_does_not_fire_when_the_turn_comes_in_time() -> None:
+async def test_timeout_does_not_fire_when_the_turn_comes_in_time(run_in_turn: RunInTurn) -> None:
     queue, rec = KeyedSerialQueue(), Recorder()
-    holder = asyncio.create_task(queue.run("k", rec.step, "holder"))
+    holder = asyncio.create_task(run_in_turn(queue, "k", rec.step, "holder"))
     await settle()
     waiter = asyncio.create_task(queue.call("k", rec.step, ("waiter",), {}, timeout=3600))
     await settle()
@@ -174,9 +179,9 @@ async def test_timeout_does_not_fire_when_the_turn_comes_in_time() -> None:
     assert await running == "slow"
 
 
-async def test_external_cancel_wins_over_an_expired_timeout() -> None:
+async def test_external_cancel_wins_over_an_expired_timeout(run_in_turn: RunInTurn) -> None:
     queue, rec = KeyedSerialQueue(), Recorder()
-    holder = asyncio.create_task(queue.run("k", rec.step, "holder"))
+    holder = asyncio.create_task(run_in_turn(queue, "k", rec.step, "holder"))
     await settle()
     waiter = asyncio.create_task(queue.call("k", rec.step, ("w",), {}, timeout=0))
     await asyncio.sleep(0)  # the waiter registers and its timer is armed
@@ -189,11 +194,11 @@ async def test_external_cancel_wins_over_an_expired_timeout() -> None:
     assert len(queue) == 0
 
 
-async def test_cancelling_many_waiters_leaves_the_queue_empty() -> None:
+async def test_cancelling_many_waiters_leaves_the_queue_empty(run_in_turn: RunInTurn) -> None:
     queue, rec = KeyedSerialQueue(), Recorder()
-    holder = asyncio.create_task(queue.run("k", rec.step, "holder"))
+    holder = asyncio.create_task(run_in_turn(queue, "k", rec.step, "holder"))
     await settle()
-    waiters = [asyncio.create_task(queue.run("k", rec.step, f"w{i}")) for i in range(2000)]
+    waiters = [asyncio.create_task(run_in_turn(queue, "k", rec.step, f"w{i}")) for i in range(2000)]
     await settle()
     assert queue.pending("k") == 2001
     for task in waiters[::2]:
@@ -209,7 +214,7 @@ async def test_cancelling_many_waiters_leaves_the_queue_empty() -> None:
     assert len(queue) == 0
 
 
-async def test_base_exceptions_propagate_and_release_the_turn() -> None:
+async def test_base_exceptions_propagate_and_release_the_turn(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
 
     async def interrupt() -> None:
@@ -222,22 +227,24 @@ async def test_base_exceptions_propagate_and_release_the_turn() -> None:
         return "fine"
 
     with pytest.raises(KeyboardInterrupt):
-        await queue.run("k", interrupt)
+        await run_in_turn(queue, "k", interrupt)
     with pytest.raises(SystemExit):
         async with queue.lock("k"):
             raise SystemExit(2)
     with pytest.raises(SystemExit):
-        await queue.run("k", exit_)
+        await run_in_turn(queue, "k", exit_)
     assert len(queue) == 0
-    assert await queue.run("k", fine) == "fine"
+    assert await run_in_turn(queue, "k", fine) == "fine"
 
 
-async def test_newcomer_takes_a_free_turn_while_a_dead_waiter_is_still_counted() -> None:
+async def test_newcomer_takes_a_free_turn_while_a_dead_waiter_is_still_counted(
+    run_in_turn: RunInTurn,
+) -> None:
     # Found by the random-schedule test: the holder releases while the only waiter has
     # been cancelled but not resumed; a call registering right then must not wait.
     queue, rec = KeyedSerialQueue(), Recorder()
     async with queue.lock("k"):
-        waiter = asyncio.create_task(queue.run("k", rec.step, "cancelled"))
+        waiter = asyncio.create_task(run_in_turn(queue, "k", rec.step, "cancelled"))
         await settle()
         waiter.cancel()
     # Registered synchronously, before the cancelled waiter resumes; the timeout turns

@@ -8,12 +8,13 @@ import pytest
 
 from keyserial import KeyedSerialQueue
 
+from .conftest import RunInTurn
 from .scheduling import settle
 
 pytestmark = pytest.mark.asyncio
 
 
-async def test_same_key_runs_serially_in_registration_order() -> None:
+async def test_same_key_runs_serially_in_registration_order(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
     log: list[str] = []
     gates = {name: asyncio.Event() for name in "abc"}
@@ -24,7 +25,7 @@ async def test_same_key_runs_serially_in_registration_order() -> None:
         log.append(f"end {name}")
         return name
 
-    tasks = [asyncio.create_task(queue.run("seg", step, name)) for name in "abc"]
+    tasks = [asyncio.create_task(run_in_turn(queue, "seg", step, name)) for name in "abc"]
     await settle()
     assert log == ["start a"]
     assert queue.pending("seg") == 3
@@ -39,7 +40,7 @@ async def test_same_key_runs_serially_in_registration_order() -> None:
     assert len(queue) == 0
 
 
-async def test_different_keys_overlap() -> None:
+async def test_different_keys_overlap(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
     started: list[str] = []
     gate = asyncio.Event()
@@ -48,7 +49,7 @@ async def test_different_keys_overlap() -> None:
         started.append(name)
         await gate.wait()
 
-    tasks = [asyncio.create_task(queue.run(key, hold, key)) for key in ("a", "b", "c")]
+    tasks = [asyncio.create_task(run_in_turn(queue, key, hold, key)) for key in ("a", "b", "c")]
     await settle()
     assert started == ["a", "b", "c"]
     assert all(queue.locked(key) for key in "abc")
@@ -57,7 +58,7 @@ async def test_different_keys_overlap() -> None:
     assert len(queue) == 0
 
 
-async def test_failure_does_not_block_the_next_call() -> None:
+async def test_failure_does_not_block_the_next_call(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
 
     async def fail() -> None:
@@ -67,15 +68,15 @@ async def test_failure_does_not_block_the_next_call() -> None:
     async def succeed() -> str:
         return "ok"
 
-    first = asyncio.create_task(queue.run("k", fail))
-    second = asyncio.create_task(queue.run("k", succeed))
+    first = asyncio.create_task(run_in_turn(queue, "k", fail))
+    second = asyncio.create_task(run_in_turn(queue, "k", succeed))
     with pytest.raises(ValueError, match="boom"):
         await first
     assert await second == "ok"
     assert len(queue) == 0
 
 
-async def test_each_caller_gets_its_own_outcome() -> None:
+async def test_each_caller_gets_its_own_outcome(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
 
     async def outcome(i: int) -> int:
@@ -85,7 +86,7 @@ async def test_each_caller_gets_its_own_outcome() -> None:
         return i * 10
 
     results = await asyncio.gather(
-        *(queue.run("k", outcome, i) for i in range(9)), return_exceptions=True
+        *(run_in_turn(queue, "k", outcome, i) for i in range(9)), return_exceptions=True
     )
     for i, result in enumerate(results):
         if i % 3 == 0:
@@ -94,7 +95,7 @@ async def test_each_caller_gets_its_own_outcome() -> None:
             assert result == i * 10
 
 
-async def test_registration_order_is_first_run_of_the_coroutine() -> None:
+async def test_registration_order_is_first_run_of_the_coroutine(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
     log: list[str] = []
 
@@ -106,12 +107,12 @@ async def test_registration_order_is_first_run_of_the_coroutine() -> None:
     async def blocker() -> None:
         await gate.wait()
 
-    holder = asyncio.create_task(queue.run("k", blocker))
+    holder = asyncio.create_task(run_in_turn(queue, "k", blocker))
     await settle()
-    late = queue.run("k", record, "created first, awaited last")
-    early = asyncio.create_task(queue.run("k", record, "b"))
+    late = run_in_turn(queue, "k", record, "created first, awaited last")
+    early = asyncio.create_task(run_in_turn(queue, "k", record, "b"))
     await settle()
-    never = queue.run("k", record, "never awaited")
+    never = run_in_turn(queue, "k", record, "never awaited")
     assert queue.pending("k") == 2  # holder and b; unawaited coroutines registered nothing
     never.close()
     gate.set()
@@ -139,7 +140,7 @@ async def test_submit_registers_before_returning() -> None:
     assert len(queue) == 0
 
 
-async def test_submit_and_run_share_one_order() -> None:
+async def test_submit_and_run_share_one_order(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
     log: list[str] = []
 
@@ -148,38 +149,38 @@ async def test_submit_and_run_share_one_order() -> None:
         await asyncio.sleep(0)
 
     first = queue.submit("k", record, "submit-1")
-    run_task = asyncio.create_task(queue.run("k", record, "run"))
+    run_task = asyncio.create_task(run_in_turn(queue, "k", record, "run"))
     await settle()
     second = queue.submit("k", record, "submit-2")
     await asyncio.gather(first, run_task, second)
     assert log == ["submit-1", "run", "submit-2"]
 
 
-async def test_idle_keys_leave_no_entry() -> None:
+async def test_idle_keys_leave_no_entry(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
 
     async def noop() -> None:
         return None
 
     for i in range(100_000):
-        await queue.run(i, noop)
+        await run_in_turn(queue, i, noop)
     assert len(queue) == 0
-    await asyncio.gather(*(queue.run(i % 1000, noop) for i in range(10_000)))
+    await asyncio.gather(*(run_in_turn(queue, i % 1000, noop) for i in range(10_000)))
     assert len(queue) == 0
     assert 5 not in queue
 
 
-async def test_keyword_arguments_reach_the_function() -> None:
+async def test_keyword_arguments_reach_the_function(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
 
     async def join_words(a: str, *, b: str) -> str:
         return a + b
 
-    assert await queue.run("k", join_words, "x", b="y") == "xy"
+    assert await run_in_turn(queue, "k", join_words, "x", b="y") == "xy"
     assert await queue.call("k", join_words, ("x",), {"b": "z"}) == "xz"
 
 
-async def test_lock_holds_the_turn_for_a_block() -> None:
+async def test_lock_holds_the_turn_for_a_block(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
     log: list[str] = []
 
@@ -187,7 +188,7 @@ async def test_lock_holds_the_turn_for_a_block() -> None:
         log.append(name)
 
     async with queue.lock("k"):
-        waiting = asyncio.create_task(queue.run("k", record, "after block"))
+        waiting = asyncio.create_task(run_in_turn(queue, "k", record, "after block"))
         await settle()
         log.append("in block")
         assert queue.locked("k")

@@ -8,6 +8,7 @@ import pytest
 
 from keyserial import KeyedSerialQueue, QueueClosed, QueueFull
 
+from .conftest import RunInTurn
 from .scheduling import settle
 
 pytestmark = pytest.mark.asyncio
@@ -17,10 +18,10 @@ async def noop() -> None:
     return None
 
 
-async def test_unhashable_key_is_a_type_error_naming_the_key() -> None:
+async def test_unhashable_key_is_a_type_error_naming_the_key(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
     with pytest.raises(TypeError, match=r"hashable.*list"):
-        await queue.run(["not", "hashable"], noop)  # type: ignore[arg-type]
+        await run_in_turn(queue, ["not", "hashable"], noop)
     with pytest.raises(TypeError, match="hashable"):
         queue.submit({"a": 1}, noop)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="hashable"):
@@ -49,7 +50,7 @@ async def test_negative_timeout_is_rejected_before_waiting() -> None:
         await queue.call("k", noop, (), {}, timeout=-0.5)
 
 
-async def test_max_pending_rejects_the_call_that_would_exceed_it() -> None:
+async def test_max_pending_rejects_the_call_that_would_exceed_it(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue(max_pending=2)
     gate = asyncio.Event()
     started: list[str] = []
@@ -58,11 +59,11 @@ async def test_max_pending_rejects_the_call_that_would_exceed_it() -> None:
         started.append(name)
         await gate.wait()
 
-    first = asyncio.create_task(queue.run("k", hold, "first"))
-    second = asyncio.create_task(queue.run("k", hold, "second"))
+    first = asyncio.create_task(run_in_turn(queue, "k", hold, "first"))
+    second = asyncio.create_task(run_in_turn(queue, "k", hold, "second"))
     await settle()
     with pytest.raises(QueueFull) as info:
-        await queue.run("k", hold, "third")
+        await run_in_turn(queue, "k", hold, "third")
     assert info.value.key == "k" and info.value.max_pending == 2
     with pytest.raises(QueueFull):
         queue.submit("k", hold, "fourth")
@@ -70,7 +71,7 @@ async def test_max_pending_rejects_the_call_that_would_exceed_it() -> None:
         async with queue.lock("k"):
             pass
     # Other keys are bounded separately.
-    other = asyncio.create_task(queue.run("other", hold, "other"))
+    other = asyncio.create_task(run_in_turn(queue, "other", hold, "other"))
     await settle()
     assert queue.pending("k") == 2
     gate.set()
@@ -79,7 +80,7 @@ async def test_max_pending_rejects_the_call_that_would_exceed_it() -> None:
     assert len(queue) == 0
 
 
-async def test_max_pending_one_allows_exactly_one() -> None:
+async def test_max_pending_one_allows_exactly_one(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue(max_pending=1)
     gate = asyncio.Event()
 
@@ -88,14 +89,16 @@ async def test_max_pending_one_allows_exactly_one() -> None:
 
     running = queue.submit("k", hold)
     with pytest.raises(QueueFull):
-        await queue.run("k", hold)
+        await run_in_turn(queue, "k", hold)
     gate.set()
     await running
-    await queue.run("k", noop)
+    await run_in_turn(queue, "k", noop)
     assert len(queue) == 0
 
 
-async def test_closed_queue_refuses_new_work_but_finishes_registered_work() -> None:
+async def test_closed_queue_refuses_new_work_but_finishes_registered_work(
+    run_in_turn: RunInTurn,
+) -> None:
     queue = KeyedSerialQueue()
     gate = asyncio.Event()
     log: list[str] = []
@@ -111,9 +114,9 @@ async def test_closed_queue_refuses_new_work_but_finishes_registered_work() -> N
     assert queue.closed
     assert not closing.done()
     with pytest.raises(QueueClosed):
-        await queue.run("other", noop)
+        await run_in_turn(queue, "other", noop)
     with pytest.raises(QueueClosed):
-        await queue.run("k", noop)
+        await run_in_turn(queue, "k", noop)
     with pytest.raises(QueueClosed):
         queue.submit("k", noop)
     with pytest.raises(QueueClosed):
@@ -126,9 +129,9 @@ async def test_closed_queue_refuses_new_work_but_finishes_registered_work() -> N
     assert len(queue) == 0
 
 
-async def test_run_outside_a_task_is_a_clear_error() -> None:
+async def test_run_outside_a_task_is_a_clear_error(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
-    coro = queue.run("k", noop)
+    coro = run_in_turn(queue, "k", noop)
     with pytest.raises(RuntimeError, match="inside an asyncio task"):
         _drive_outside_task(coro)
 
@@ -163,11 +166,11 @@ class HashRaises:
         raise ValueError("no hash today")
 
 
-async def test_a_key_whose_hash_raises_is_a_type_error_everywhere() -> None:
+async def test_a_key_whose_hash_raises_is_a_type_error_everywhere(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
     key = HashRaises()
     with pytest.raises(TypeError, match=r"hashable and comparable.*no hash today") as info:
-        await queue.run(key, noop)
+        await run_in_turn(queue, key, noop)
     assert isinstance(info.value.__cause__, ValueError)
     with pytest.raises(TypeError, match="no hash today"):
         await queue.call(key, noop, (), {})
@@ -206,7 +209,9 @@ class Flaky:
         return f"Flaky({self.name!r})"
 
 
-async def test_a_key_whose_equality_breaks_during_its_turn_is_not_left_registered() -> None:
+async def test_a_key_whose_equality_breaks_during_its_turn_is_not_left_registered(
+    run_in_turn: RunInTurn,
+) -> None:
     queue = KeyedSerialQueue()
     first, second = Flaky("first"), Flaky("second")
     gates = {name: asyncio.Event() for name in ("first", "second", "waiter")}
@@ -217,10 +222,10 @@ async def test_a_key_whose_equality_breaks_during_its_turn_is_not_left_registere
         log.append(name)
 
     try:
-        holder_first = asyncio.create_task(queue.run(first, hold, "first"))
-        holder_second = asyncio.create_task(queue.run(second, hold, "second"))
+        holder_first = asyncio.create_task(run_in_turn(queue, first, hold, "first"))
+        holder_second = asyncio.create_task(run_in_turn(queue, second, hold, "second"))
         await settle()
-        waiter = asyncio.create_task(queue.run(Flaky("second"), hold, "waiter"))
+        waiter = asyncio.create_task(run_in_turn(queue, Flaky("second"), hold, "waiter"))
         await settle()
         assert queue.pending(second) == 2
         Flaky.broken = True  # from now on, finding "second" compares it with "first"
@@ -239,11 +244,13 @@ async def test_a_key_whose_equality_breaks_during_its_turn_is_not_left_registere
     gates["first"].set()
     await holder_first
     assert len(queue) == 0
-    await queue.run(Flaky("second"), noop)  # the key works again once it compares again
+    await run_in_turn(queue, Flaky("second"), noop)  # the key works again once it compares again
     assert len(queue) == 0
 
 
-async def test_a_key_whose_hash_changes_during_its_turn_is_not_left_registered() -> None:
+async def test_a_key_whose_hash_changes_during_its_turn_is_not_left_registered(
+    run_in_turn: RunInTurn,
+) -> None:
     queue = KeyedSerialQueue()
 
     class Mutable:
@@ -259,18 +266,20 @@ async def test_a_key_whose_hash_changes_during_its_turn_is_not_left_registered()
         key.value = 2
 
     with pytest.raises(TypeError, match="failed to hash or compare"):
-        await queue.run(key, mutate)
+        await run_in_turn(queue, key, mutate)
     assert len(queue) == 0
 
 
-async def test_a_join_that_times_out_or_is_cancelled_leaves_nothing_behind() -> None:
+async def test_a_join_that_times_out_or_is_cancelled_leaves_nothing_behind(
+    run_in_turn: RunInTurn,
+) -> None:
     queue = KeyedSerialQueue()
     gate = asyncio.Event()
 
     async def hold() -> None:
         await gate.wait()
 
-    holder = asyncio.create_task(queue.run("k", hold))
+    holder = asyncio.create_task(run_in_turn(queue, "k", hold))
     await settle()
     for _ in range(100):
         with pytest.raises(asyncio.TimeoutError):

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import inspect
+import json
+from pathlib import Path
 
 import keyserial
+
+from .public_api import public_api
 
 
 def test_public_names() -> None:
@@ -49,3 +53,10 @@ def test_callables_document_what_they_raise() -> None:
     ]
     for obj in documented:
         assert "Raises:" in (inspect.getdoc(obj) or ""), obj
+
+
+def test_the_public_api_is_what_it_was_before_the_redesign() -> None:
+    # Names in keyserial.__all__ and keyserial.redis.__all__, and the signatures of every
+    # public function and method (tests/public_api.py says how the snapshot is made).
+    snapshot = json.loads((Path(__file__).parent / "public_api.json").read_text())
+    assert public_api() == snapshot

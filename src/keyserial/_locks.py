@@ -1,18 +1,16 @@
-"""The context managers of ``lock()`` and ``lock_all()``: turns held for an ``async with`` block."""
+"""The context manager of ``lock()``: a key's turn held for an ``async with`` block."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from contextvars import Token
 from types import TracebackType
 from typing import Any
 
 from ._fence import enter_lock_block, exit_lock_block
 from ._loops import LoopShares
-from ._multikey import acquire_all, leave_all
-from ._records import MultiRegistration
 from ._share import LoopShare, closed_error, key_error
 
 Task = asyncio.Task[Any]
@@ -87,47 +85,3 @@ class TurnLock:
                 self._fence_token = None
             share.counts.end(exc)
             share.leave(self._key, task)
-
-
-class TurnsLock:
-    """What ``KeyedSerialQueue.lock_all()`` returns: the turns of all ``keys``, for the block."""
-
-    __slots__ = ("_fence_token", "_held", "_keys", "_max_pending", "_shares", "_timeout")
-
-    def __init__(
-        self,
-        shares: LoopShares,
-        keys: Iterable[Hashable],
-        timeout: float | None,
-        max_pending: int | None,
-    ) -> None:
-        self._shares = shares
-        self._keys = keys
-        self._timeout = timeout
-        self._max_pending = max_pending
-        self._held: tuple[LoopShare, Task, MultiRegistration] | None = None
-        self._fence_token: Token[Any] | None = None
-
-    async def __aenter__(self) -> None:
-        if self._held is not None:
-            raise RuntimeError("a keyserial lock_all() object cannot be entered twice at once")
-        share, task = self._shares.running()
-        registration = await acquire_all(share, task, self._keys, self._timeout, self._max_pending)
-        self._held = (share, task, registration)
-        owner = sys._getframe(1)  # the coroutine running the ``async with`` block
-        self._fence_token = enter_lock_block(owner, lambda: share.fence_for(registration.keys))
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._held is not None:
-            share, task, registration = self._held
-            self._held = None
-            if self._fence_token is not None:
-                exit_lock_block(self._fence_token)
-                self._fence_token = None
-            share.counts.end(exc)
-            leave_all(share, registration, task)

@@ -10,15 +10,30 @@ waiter; the turn runs once the last of its keys arrives.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable, Iterable, Sequence
-from typing import Any
+import sys
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
+from contextvars import Token
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
 
-from ._deadlock import check_later, check_no_cycle
+from ._deadlock import check_later, check_no_cycle, register_entry_code
 from ._errors import QueueClosed, QueueFull
+from ._fence import enter_lock_block, exit_lock_block, register_turn_code
+from ._inspection import QueueShares
+from ._loops import LoopShares
+from ._protocols import KeyLock
 from ._records import KeyState, MultiRegistration, MultiTurn, new_waiter
 from ._share import LoopShare, expire, key_error, safe_repr
 
 Task = asyncio.Task[Any]
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def check_timeout(timeout: float | None) -> None:
+    """Refuse a negative (or NaN) timeout before anything is registered."""
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
 
 
 def unique_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
@@ -155,3 +170,126 @@ async def acquire_all(
             raise
     take_all(share, registration)
     return registration
+
+
+class TurnsLock:
+    """What ``KeyedSerialQueue.lock_all()`` returns: the turns of all ``keys``, for the block."""
+
+    __slots__ = ("_fence_token", "_held", "_keys", "_max_pending", "_shares", "_timeout")
+
+    def __init__(
+        self,
+        shares: LoopShares,
+        keys: Iterable[Hashable],
+        timeout: float | None,
+        max_pending: int | None,
+    ) -> None:
+        self._shares = shares
+        self._keys = keys
+        self._timeout = timeout
+        self._max_pending = max_pending
+        self._held: tuple[LoopShare, Task, MultiRegistration] | None = None
+        self._fence_token: Token[Any] | None = None
+
+    async def __aenter__(self) -> None:
+        if self._held is not None:
+            raise RuntimeError("a keyserial lock_all() object cannot be entered twice at once")
+        share, task = self._shares.running()
+        registration = await acquire_all(share, task, self._keys, self._timeout, self._max_pending)
+        self._held = (share, task, registration)
+        owner = sys._getframe(1)  # the coroutine running the ``async with`` block
+        self._fence_token = enter_lock_block(owner, lambda: share.fence_for(registration.keys))
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._held is not None:
+            share, task, registration = self._held
+            self._held = None
+            if self._fence_token is not None:
+                exit_lock_block(self._fence_token)
+                self._fence_token = None
+            share.counts.end(exc)
+            leave_all(share, registration, task)
+
+
+class MultiKeyCalls(QueueShares):
+    """The multi-key calls of ``KeyedSerialQueue``: ``run_all`` and ``lock_all``."""
+
+    __slots__ = ()
+
+    async def run_all(
+        self,
+        keys: Iterable[Hashable],
+        fn: Callable[P, Awaitable[T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """Run ``await fn(*args, **kwargs)`` once it holds the turns of all ``keys``.
+
+        The call registers in every key's queue in one step, so multi-key calls
+        that name the same keys in different orders cannot deadlock each other,
+        and single-key calls on any of the keys keep their order with it.
+        Duplicate keys count once. Keys that the calling task already holds
+        (inside their turns) are not waited for.
+
+        Raises:
+            ValueError: ``keys`` is empty.
+            TypeError: ``keys`` is a string, or one of them is not hashable.
+            DeadlockError: waiting would close a cycle of tasks waiting on each other.
+            QueueClosed, QueueFull, RuntimeError: as for :meth:`run` (for any of the keys).
+
+        Example:
+            >>> import asyncio
+            >>> from keyserial import KeyedSerialQueue
+            >>> async def merge(src: str, dst: str) -> str:
+            ...     return f"{src} -> {dst}"
+            >>> asyncio.run(KeyedSerialQueue().run_all(["a", "b"], merge, "a", "b"))
+            'a -> b'
+        """
+        share, task = self._shares.running()
+        registration = await acquire_all(share, task, keys, None, self._max_pending)
+        error: BaseException | None = None
+        try:
+            return await fn(*args, **kwargs)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            share.counts.end(error)
+            leave_all(share, registration, task)
+
+    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
+        """Hold the turns of all ``keys`` for the body of an ``async with`` block.
+
+        As :meth:`run_all`; ``timeout`` bounds only the wait for the turns.
+
+        Raises:
+            TimeoutError: the turns did not all come within ``timeout`` seconds.
+            ValueError: ``keys`` is empty, or ``timeout`` is negative.
+            TypeError, DeadlockError, QueueClosed, QueueFull: as for :meth:`run_all`.
+
+        Example:
+            >>> import asyncio
+            >>> from keyserial import KeyedSerialQueue
+            >>> async def main() -> list[bool]:
+            ...     queue = KeyedSerialQueue()
+            ...     async with queue.lock_all(["a", "b"]):
+            ...         return [queue.locked("a"), queue.locked("b")]
+            >>> asyncio.run(main())
+            [True, True]
+        """
+        check_timeout(timeout)
+        return TurnsLock(self._shares, keys, timeout, self._max_pending)
+
+
+def _multi_key_fence(frame: Mapping[str, Any]) -> int | None:
+    return frame["share"].fence_for(frame["registration"].keys)  # type: ignore[no-any-return]
+
+
+register_turn_code(MultiKeyCalls.run_all.__code__, _multi_key_fence)
+register_entry_code(MultiKeyCalls.run_all.__code__)

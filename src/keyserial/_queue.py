@@ -8,17 +8,16 @@ registration and hand-off in ``_share``, several keys in ``_multikey``, lock blo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ._deadlock import register_entry_code
 from ._fence import register_turn_code
-from ._locks import TurnLock, TurnsLock
-from ._loops import LoopShares, get_running_loop, no_event_loop, outside_task, running_loop, task_of
-from ._multikey import acquire_all, leave_all
+from ._locks import TurnLock
+from ._loops import get_running_loop, no_event_loop, outside_task, running_loop, task_of
+from ._multikey import MultiKeyCalls, check_timeout
 from ._protocols import KeyLock
 from ._share import closed_error, key_error
-from ._stats import QueueStats, snapshot
 from ._submit import Submission, submit
 
 if TYPE_CHECKING:
@@ -30,12 +29,7 @@ P = ParamSpec("P")
 Task = asyncio.Task[Any]
 
 
-def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not timeout >= 0:
-        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
-
-
-class KeyedSerialQueue:
+class KeyedSerialQueue(MultiKeyCalls):
     """Run async calls one at a time per key, in registration order; different keys concurrently.
 
     Guarantees:
@@ -87,7 +81,7 @@ class KeyedSerialQueue:
         ['a', 'b', 'c']
     """
 
-    __slots__ = ("_max_pending", "_shares")
+    __slots__ = ()
 
     def __new__(
         cls,
@@ -117,8 +111,7 @@ class KeyedSerialQueue:
             isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1
         ):
             raise ValueError(f"max_pending must be None or an int >= 1, got {max_pending!r}")
-        self._max_pending = max_pending
-        self._shares = LoopShares(detect_deadlocks, count_calls)
+        super().__init__(max_pending, detect_deadlocks, count_calls)
 
     @property
     def max_pending(self) -> int | None:
@@ -234,7 +227,7 @@ class KeyedSerialQueue:
             3
         """
         if timeout is not None:
-            _check_timeout(timeout)
+            check_timeout(timeout)
         try:
             loop = get_running_loop()
         except RuntimeError:
@@ -338,198 +331,8 @@ class KeyedSerialQueue:
             >>> asyncio.run(main())
             True
         """
-        _check_timeout(timeout)
+        check_timeout(timeout)
         return TurnLock(self._shares, key, timeout, group, self._max_pending)
-
-    # -- several keys at once ---------------------------------------------------------------
-
-    async def run_all(
-        self,
-        keys: Iterable[Hashable],
-        fn: Callable[P, Awaitable[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> T:
-        """Run ``await fn(*args, **kwargs)`` once it holds the turns of all ``keys``.
-
-        The call registers in every key's queue in one step, so multi-key calls
-        that name the same keys in different orders cannot deadlock each other,
-        and single-key calls on any of the keys keep their order with it.
-        Duplicate keys count once. Keys that the calling task already holds
-        (inside their turns) are not waited for.
-
-        Raises:
-            ValueError: ``keys`` is empty.
-            TypeError: ``keys`` is a string, or one of them is not hashable.
-            DeadlockError: waiting would close a cycle of tasks waiting on each other.
-            QueueClosed, QueueFull, RuntimeError: as for :meth:`run` (for any of the keys).
-
-        Example:
-            >>> import asyncio
-            >>> from keyserial import KeyedSerialQueue
-            >>> async def merge(src: str, dst: str) -> str:
-            ...     return f"{src} -> {dst}"
-            >>> asyncio.run(KeyedSerialQueue().run_all(["a", "b"], merge, "a", "b"))
-            'a -> b'
-        """
-        share, task = self._shares.running()
-        registration = await acquire_all(share, task, keys, None, self._max_pending)
-        error: BaseException | None = None
-        try:
-            return await fn(*args, **kwargs)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            share.counts.end(error)
-            leave_all(share, registration, task)
-
-    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
-        """Hold the turns of all ``keys`` for the body of an ``async with`` block.
-
-        As :meth:`run_all`; ``timeout`` bounds only the wait for the turns.
-
-        Raises:
-            TimeoutError: the turns did not all come within ``timeout`` seconds.
-            ValueError: ``keys`` is empty, or ``timeout`` is negative.
-            TypeError, DeadlockError, QueueClosed, QueueFull: as for :meth:`run_all`.
-
-        Example:
-            >>> import asyncio
-            >>> from keyserial import KeyedSerialQueue
-            >>> async def main() -> list[bool]:
-            ...     queue = KeyedSerialQueue()
-            ...     async with queue.lock_all(["a", "b"]):
-            ...         return [queue.locked("a"), queue.locked("b")]
-            >>> asyncio.run(main())
-            [True, True]
-        """
-        _check_timeout(timeout)
-        return TurnsLock(self._shares, keys, timeout, self._max_pending)
-
-    # -- inspection and shutdown ----------------------------------------------------------
-
-    def pending(self, key: Hashable) -> int:
-        """Running plus waiting calls for ``key`` in the running loop's share (0 if unknown).
-
-        Example:
-            >>> from keyserial import KeyedSerialQueue
-            >>> KeyedSerialQueue().pending("nobody")
-            0
-        """
-        try:
-            return self._shares.inspected().pending_of(key)
-        except Exception as exc:
-            raise key_error(key, exc) from exc
-
-    def locked(self, key: Hashable) -> bool:
-        """Whether ``key``'s turn is currently held (granted to a call).
-
-        Example:
-            >>> from keyserial import KeyedSerialQueue
-            >>> KeyedSerialQueue().locked("nobody")
-            False
-        """
-        try:
-            return self._shares.inspected().holder_of(key) is not None
-        except Exception as exc:
-            raise key_error(key, exc) from exc
-
-    def stats(self) -> QueueStats:
-        """An immutable snapshot of the running loop's share: current load and cumulative counts.
-
-        Counts are of turns (a re-entrant call runs inside its caller's turn and
-        is not counted). ``started`` and ``completed`` are ``None`` unless the
-        queue was made with ``count_calls=True``; the other counts are always
-        kept. ``longest_wait`` is exact. ``longest_running`` is exact
-        for turns handed over from a waiting call; a turn that began while no
-        one waited is timed from when the first call queued behind it — how long
-        it has been keeping others waiting — unless the queue has an observer or
-        a ``slow_turn`` threshold, which time every turn.
-
-        Example:
-            >>> from keyserial import KeyedSerialQueue
-            >>> KeyedSerialQueue().stats().waiting
-            0
-            >>> print(KeyedSerialQueue().stats().started)
-            None
-            >>> KeyedSerialQueue(count_calls=True).stats().started
-            0
-        """
-        share = self._shares.inspected()
-        now = share.loop.time() if share.loop is not None else 0.0
-        return snapshot(share.holders, share.counts, now)
-
-    def __len__(self) -> int:
-        """Number of keys with registered work in the running loop's share."""
-        return len(self._shares.inspected().holders)
-
-    def __contains__(self, key: object) -> bool:
-        """Whether ``key`` has registered work in the running loop's share."""
-        try:
-            return key in self._shares.inspected().holders
-        except Exception:
-            return False  # a key that cannot be hashed or compared has no work registered
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`aclose` was called (for the running event loop)."""
-        return self._shares.inspected().closed
-
-    async def join(self) -> None:
-        """Wait until no work is registered; work registered while waiting is waited for too.
-
-        Example:
-            >>> import asyncio
-            >>> from keyserial import KeyedSerialQueue
-            >>> async def main() -> int:
-            ...     queue = KeyedSerialQueue()
-            ...     async def work() -> None:
-            ...         await asyncio.sleep(0)
-            ...     queue.submit("k", work)
-            ...     await queue.join()
-            ...     return len(queue)
-            >>> asyncio.run(main())
-            0
-        """
-        loop = running_loop()
-        share = self._shares.of(loop)
-        if not share.holders:
-            return
-        idle: asyncio.Future[None] = loop.create_future()
-        share.idle_waiters.append(idle)
-        share.attention = True
-        try:
-            await idle
-        except BaseException:
-            share.forget_idle_waiter(idle)  # cancelled or timed out: leave nothing behind
-            raise
-
-    async def aclose(self) -> None:
-        """Refuse new work with :class:`QueueClosed`, then wait for the registered work to finish.
-
-        Closing applies to the running event loop's share of the queue. Calls
-        already registered, and re-entrant calls made inside their turns, still run.
-
-        Example:
-            >>> import asyncio
-            >>> from keyserial import KeyedSerialQueue
-            >>> async def main() -> bool:
-            ...     queue = KeyedSerialQueue()
-            ...     await queue.aclose()
-            ...     return queue.closed
-            >>> asyncio.run(main())
-            True
-        """
-        self._shares.of(running_loop()).closed = True
-        await self.join()
-
-    def __repr__(self) -> str:
-        share = self._shares.inspected()
-        state = "closed" if share.closed else "open"
-        keys = len(share.holders)
-        return f"<KeyedSerialQueue {state} keys={keys} max_pending={self._max_pending}>"
 
 
 _OBSERVED_QUEUE: list[type[KeyedSerialQueue]] = []
@@ -544,9 +347,7 @@ def register_observed_queue(cls: type[KeyedSerialQueue]) -> None:
 
 
 def _observed_queue_class() -> type[KeyedSerialQueue]:
-    if not _OBSERVED_QUEUE:
-        from . import _observe  # noqa: F401  # registers itself; imported with keyserial
-
+    # keyserial/__init__.py imports the observing module, which registers its queue.
     return _OBSERVED_QUEUE[0]
 
 
@@ -554,20 +355,14 @@ def _single_key_fence(frame: Mapping[str, Any]) -> int | None:
     return frame["share"].fence_for((frame["key"],))  # type: ignore[no-any-return]
 
 
-def _multi_key_fence(frame: Mapping[str, Any]) -> int | None:
-    return frame["share"].fence_for(frame["registration"].keys)  # type: ignore[no-any-return]
-
-
 # Frames of these methods run a turn: current_fence() finds them on the task's await chain,
 # and the deadlock check names a task running one after the function it runs.
 register_turn_code(KeyedSerialQueue.run.__code__, _single_key_fence)
 register_turn_code(KeyedSerialQueue.call.__code__, _single_key_fence)
 register_turn_code(Submission.execute.__code__, _single_key_fence)
-register_turn_code(KeyedSerialQueue.run_all.__code__, _multi_key_fence)
 for _code in (
     KeyedSerialQueue.run.__code__,
     KeyedSerialQueue.call.__code__,
-    KeyedSerialQueue.run_all.__code__,
     Submission.execute.__code__,
 ):
     register_entry_code(_code)

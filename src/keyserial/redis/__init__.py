@@ -9,14 +9,14 @@ blocks), ``_names`` (key encoding and ACLs), ``_scripts`` (the Lua scripts) and
 ``_transport`` (script calls on connections of the client's pool).
 """
 
-from ._names import MAX_ENCODED_KEY, MAX_KEY_DEPTH, acl_rules, encode_key
-from ._queue import MIN_LEASE, RedisKeyedQueue
+from ._names import MAX_ENCODED_KEY as MAX_ENCODED_KEY
+from ._names import MAX_KEY_DEPTH as MAX_KEY_DEPTH
+from ._names import acl_rules, encode_key
+from ._queue import MIN_LEASE as MIN_LEASE
+from ._queue import RedisKeyedQueue
 from ._transport import RedisUnavailable
 
 __all__ = [
-    "MAX_ENCODED_KEY",
-    "MAX_KEY_DEPTH",
-    "MIN_LEASE",
     "RedisKeyedQueue",
     "RedisUnavailable",
     "acl_rules",

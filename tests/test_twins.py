@@ -1,0 +1,52 @@
+"""Deliberate copies stay copies: ``run()`` and ``call()`` share one body, written twice.
+
+Each path must avoid a second coroutine (an extra frame costs about 50 ns per call and,
+while waiting, about 200 bytes), so the body is written out in both. The behaviour suites
+(contract, cancellation, errors) run against both through the ``run_in_turn`` fixture;
+this checks that the two texts differ only where their signatures do.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+from keyserial import KeyedSerialQueue
+
+
+def _body(method: object) -> list[ast.stmt]:
+    """The method's statements, without its docstring."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(method)))  # type: ignore[arg-type]
+    function = tree.body[0]
+    assert isinstance(function, ast.AsyncFunctionDef)
+    body = function.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return body
+
+
+class _WithoutGroup(ast.NodeTransformer):
+    """Drop ``group``, the one argument ``call`` passes on and ``run`` has not."""
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        node.args = [a for a in node.args if not (isinstance(a, ast.Name) and a.id == "group")]
+        return node
+
+
+def test_run_and_call_bodies_are_the_same_but_for_timeout_and_group() -> None:
+    run, call = _body(KeyedSerialQueue.run), _body(KeyedSerialQueue.call)
+    # run has no timeout (``timeout = None``); call checks the one it was given.
+    assert ast.unparse(run[0]) == "timeout = None"
+    assert ast.unparse(call[0]) == "if timeout is not None:\n    check_timeout(timeout)"
+    run_rest = [ast.dump(statement) for statement in run[1:]]
+    call_rest = [ast.dump(_WithoutGroup().visit(statement)) for statement in call[1:]]
+    assert run_rest == call_rest
+
+
+def test_the_check_sees_a_difference() -> None:
+    changed = _body(KeyedSerialQueue.call)[1:]
+    changed[-1] = ast.Pass()
+    run_rest = [ast.dump(statement) for statement in _body(KeyedSerialQueue.run)[1:]]
+    assert run_rest != [ast.dump(_WithoutGroup().visit(statement)) for statement in changed]
