@@ -19,6 +19,7 @@ import redis.asyncio as redis
 
 from keyserial import KeyedSerialQueue
 
+from .clock import FakeClockLoop
 from .loops import LOOP_FACTORIES, LoopFactory
 from .redis_helpers import Clients
 from .redis_server import RedisServer, redis_server_binary
@@ -27,6 +28,8 @@ from .redis_server import RedisServer, redis_server_binary
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, LoopFactory]:
+    if item.get_closest_marker("fake_clock") is not None:
+        return {"fake clock": FakeClockLoop}
     return LOOP_FACTORIES
 
 

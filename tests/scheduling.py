@@ -3,12 +3,36 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+
+#: Loop steps a test may take to settle before the helper gives up (a task that never blocks).
+MAX_STEPS = 10_000
 
 
-async def settle(rounds: int = 10) -> None:
-    """Let every ready task run until it blocks again (a few loop iterations)."""
-    for _ in range(rounds):
+def _blocked(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` waits on a future that is not done (it cannot run until woken)."""
+    waiter = getattr(task, "_fut_waiter", None)
+    return waiter is not None and not waiter.done()
+
+
+async def settle() -> None:
+    """Return once every other task is blocked, and stays so for a whole loop step.
+
+    anyio's ``wait_all_tasks_blocked``, for asyncio: a test then sees the state the loop
+    settles in, however many steps the code under test takes to get there. The extra step
+    lets callbacks that are not tasks (done callbacks, ``call_soon``) run and wake someone.
+    """
+    me = asyncio.current_task()
+    quiet = 0
+    for _ in range(MAX_STEPS):
         await asyncio.sleep(0)
+        if all(_blocked(task) for task in asyncio.all_tasks() if task is not me):
+            quiet += 1
+            if quiet == 2:
+                return
+        else:
+            quiet = 0
+    raise AssertionError(f"the loop did not settle within {MAX_STEPS} steps")
 
 
 class Recorder:

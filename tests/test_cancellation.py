@@ -174,7 +174,8 @@ async def test_timeout_does_not_fire_when_the_turn_comes_in_time(run_in_turn: Ru
     # A long running call is not cut by the wait timeout once it started.
     queue2, rec2 = KeyedSerialQueue(), Recorder()
     running = asyncio.create_task(queue2.call("k", rec2.step, ("slow",), {}, timeout=0))
-    await asyncio.sleep(0.01)
+    await settle()
+    assert rec2.log == ["start slow"]
     rec2.gate("slow").set()
     assert await running == "slow"
 
