@@ -1,8 +1,8 @@
 """keyserial: serialize async work per key.
 
 Calls with the same key run one at a time in registration order; calls with
-different keys run concurrently. See :class:`KeyedSerialQueue` and
-:func:`serialized`.
+different keys run concurrently. See [KeyedSerialQueue][keyserial.KeyedSerialQueue] and
+[serialized][keyserial.serialized].
 """
 
 from . import _observe  # noqa: F401  # registers the observed queue

@@ -15,7 +15,7 @@ treated like any other: the cycle is certain, and failing now says why.
 Only calls that must wait pay for the walk, and it stops at once when every holder is
 running. A holder in the middle of a step (a task created with ``eager_task_factory``
 registers while its creator still runs) cannot be judged yet: the caller re-checks once the
-creator has suspended, see :func:`check_later`.
+creator has suspended, see `check_later`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ Task = asyncio.Task[Any]
 #: Nested any-of waits (``asyncio.wait(..., FIRST_COMPLETED)``) followed at most this deep.
 _MAX_ANY_DEPTH = 4
 
-#: Returned by :func:`find_cycle` when a task on the way is in the middle of a step.
+#: Returned by `find_cycle` when a task on the way is in the middle of a step.
 UNDECIDED = "undecided"
 
 #: Code objects of keyserial's own coroutines that run a caller's function ``fn``; a task
@@ -150,7 +150,7 @@ def check_no_cycle(share: KeyHolders, task: Task, keys: Sequence[Hashable]) -> b
     """Raise DeadlockError if ``task`` waiting for ``keys`` would wait on itself.
 
     Returns True if the answer must wait until the tasks mid-step have suspended (then
-    the caller re-checks with :func:`check_later`).
+    the caller re-checks with `check_later`).
     """
     holders = [share.holding_task(key) for key in keys]
     if not any(h is not None and h is not task and may_wait_on_someone(h) for h in holders):

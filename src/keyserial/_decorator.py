@@ -244,7 +244,7 @@ def serialized(
 ) -> Any:
     """Decorate an ``async def`` function so that its calls run one at a time per key.
 
-    Each call is routed through ``queue`` (the process-wide :func:`default_queue`
+    Each call is routed through ``queue`` (the process-wide [default_queue][keyserial.default_queue]
     when ``None``), so different functions decorated with equal keys on one
     queue are ordered with each other. The decorated function keeps its
     signature, name, docstring, ``__wrapped__`` and coroutine-function status;
@@ -258,13 +258,13 @@ def serialized(
             ``cls`` included; or ``None``, so that all calls share one key.
         keys: instead of ``key``, how to get the several keys a call must hold
             at once (a parameter name or a callable, as for ``key``, giving an
-            iterable of keys); see :meth:`KeyedSerialQueue.run_all`.
+            iterable of keys); see [KeyedSerialQueue.run_all][keyserial.KeyedSerialQueue.run_all].
         queue: the queue to route calls through.
         timeout: bound, in seconds, on the wait for the turn only; on expiry the
-            call raises the built-in :class:`TimeoutError` and never starts.
+            call raises the built-in `TimeoutError` and never starts.
         coalesce: latest wins: a call that has to wait supersedes this
             function's call for the same key that is still waiting, which then
-            raises :class:`Superseded` and never starts. A started call is never
+            raises [Superseded][keyserial.Superseded] and never starts. A started call is never
             interrupted; calls of other functions keep their places.
 
     Raises:
@@ -278,6 +278,7 @@ def serialized(
             ``*args``/``**kwargs`` one), or ``timeout`` is negative.
 
     Example:
+        ```pycon
         >>> import asyncio
         >>> from keyserial import serialized
         >>> log: list[str] = []
@@ -290,6 +291,8 @@ def serialized(
         >>> asyncio.run(main())
         >>> log
         ['a:partial', 'a:final']
+
+        ```
     """
     if isinstance(fn, str):
         raise TypeError(

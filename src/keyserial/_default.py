@@ -10,14 +10,17 @@ _DEFAULT_QUEUE = KeyedSerialQueue()
 def default_queue() -> KeyedSerialQueue:
     """Return the process-wide queue shared by every ``@serialized`` function given no ``queue``.
 
-    Like every :class:`KeyedSerialQueue`, it behaves as if each event loop had
+    Like every [KeyedSerialQueue][keyserial.KeyedSerialQueue], it behaves as if each event loop had
     its own queue: work, keys and the closed state of one loop never affect
     another, so ``asyncio.run`` after ``asyncio.run`` (or a test framework's
     loop per test) starts from a clean queue.
 
     Example:
+        ```pycon
         >>> from keyserial import default_queue
         >>> default_queue() is default_queue()
         True
+
+        ```
     """
     return _DEFAULT_QUEUE

@@ -12,6 +12,7 @@ class QueueClosed(RuntimeError):
     ``run``, ``submit`` and ``lock`` calls are refused.
 
     Example:
+        ```pycon
         >>> import asyncio
         >>> from keyserial import KeyedSerialQueue, QueueClosed
         >>> async def main() -> str:
@@ -24,6 +25,8 @@ class QueueClosed(RuntimeError):
         ...         return "refused"
         >>> asyncio.run(main())
         'refused'
+
+        ```
     """
 
 
@@ -34,8 +37,11 @@ class QueueFull(RuntimeError):
     ``key`` and ``max_pending`` name what was full.
 
     Example:
+        ```pycon
         >>> QueueFull("seg-1", 10).key
         'seg-1'
+
+        ```
     """
 
     def __init__(self, key: Hashable, max_pending: int) -> None:
@@ -52,8 +58,11 @@ class DeadlockError(RuntimeError):
     ``keys`` and ``tasks`` name the cycle, in order.
 
     Example:
+        ```pycon
         >>> DeadlockError("deadlock: ...", keys=["a", "b"], tasks=[]).keys
         ['a', 'b']
+
+        ```
     """
 
     def __init__(self, message: str, *, keys: Sequence[Hashable], tasks: Sequence[object]) -> None:
@@ -67,11 +76,14 @@ class Superseded(Exception):
 
     The superseded call never started. ``key`` names the key it waited for.
     See ``@serialized(coalesce=True)`` and the ``group`` argument of
-    :meth:`KeyedSerialQueue.call`.
+    [KeyedSerialQueue.call][keyserial.KeyedSerialQueue.call].
 
     Example:
+        ```pycon
         >>> Superseded("seg-1").key
         'seg-1'
+
+        ```
     """
 
     def __init__(self, key: Hashable) -> None:
@@ -89,8 +101,11 @@ class LeaseLost(RuntimeError):
     ``fence`` the fence of the lost turn.
 
     Example:
+        ```pycon
         >>> LeaseLost("kc2VnLTE", 7).fence
         7
+
+        ```
     """
 
     def __init__(self, key: str, fence: int) -> None:

@@ -27,9 +27,12 @@ class QueueShares:
         """Running plus waiting calls for ``key`` in the running loop's share (0 if unknown).
 
         Example:
+            ```pycon
             >>> from keyserial import KeyedSerialQueue
             >>> KeyedSerialQueue().pending("nobody")
             0
+
+            ```
         """
         try:
             return self._shares.inspected().pending_of(key)
@@ -40,9 +43,12 @@ class QueueShares:
         """Whether ``key``'s turn is currently held (granted to a call).
 
         Example:
+            ```pycon
             >>> from keyserial import KeyedSerialQueue
             >>> KeyedSerialQueue().locked("nobody")
             False
+
+            ```
         """
         try:
             return self._shares.inspected().holder_of(key) is not None
@@ -62,6 +68,7 @@ class QueueShares:
         a ``slow_turn`` threshold, which time every turn.
 
         Example:
+            ```pycon
             >>> from keyserial import KeyedSerialQueue
             >>> KeyedSerialQueue().stats().waiting
             0
@@ -69,6 +76,8 @@ class QueueShares:
             None
             >>> KeyedSerialQueue(count_calls=True).stats().started
             0
+
+            ```
         """
         share = self._shares.inspected()
         now = share.loop.time() if share.loop is not None else 0.0
@@ -87,13 +96,14 @@ class QueueShares:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`aclose` was called (for the running event loop)."""
+        """Whether [aclose][keyserial.KeyedSerialQueue.aclose] was called (for the running event loop)."""
         return self._shares.inspected().closed
 
     async def join(self) -> None:
         """Wait until no work is registered; work registered while waiting is waited for too.
 
         Example:
+            ```pycon
             >>> import asyncio
             >>> from keyserial import KeyedSerialQueue
             >>> async def main() -> int:
@@ -105,6 +115,8 @@ class QueueShares:
             ...     return len(queue)
             >>> asyncio.run(main())
             0
+
+            ```
         """
         loop = running_loop()
         share = self._shares.of(loop)
@@ -120,12 +132,13 @@ class QueueShares:
             raise
 
     async def aclose(self) -> None:
-        """Refuse new work with :class:`QueueClosed`, then wait for the registered work to finish.
+        """Refuse new work with [QueueClosed][keyserial.QueueClosed], then wait for the registered work to finish.
 
         Closing applies to the running event loop's share of the queue. Calls
         already registered, and re-entrant calls made inside their turns, still run.
 
         Example:
+            ```pycon
             >>> import asyncio
             >>> from keyserial import KeyedSerialQueue
             >>> async def main() -> bool:
@@ -134,6 +147,8 @@ class QueueShares:
             ...     return queue.closed
             >>> asyncio.run(main())
             True
+
+            ```
         """
         self._shares.of(running_loop()).closed = True
         await self.join()

@@ -241,15 +241,18 @@ class MultiKeyCalls(QueueShares):
             ValueError: ``keys`` is empty.
             TypeError: ``keys`` is a string, or one of them is not hashable.
             DeadlockError: waiting would close a cycle of tasks waiting on each other.
-            QueueClosed, QueueFull, RuntimeError: as for :meth:`run` (for any of the keys).
+            QueueClosed, QueueFull, RuntimeError: as for [run][keyserial.KeyedSerialQueue.run] (for any of the keys).
 
         Example:
+            ```pycon
             >>> import asyncio
             >>> from keyserial import KeyedSerialQueue
             >>> async def merge(src: str, dst: str) -> str:
             ...     return f"{src} -> {dst}"
             >>> asyncio.run(KeyedSerialQueue().run_all(["a", "b"], merge, "a", "b"))
             'a -> b'
+
+            ```
         """
         share, task = self._shares.running()
         registration = await acquire_all(share, task, keys, None, self._max_pending)
@@ -266,14 +269,15 @@ class MultiKeyCalls(QueueShares):
     def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
         """Hold the turns of all ``keys`` for the body of an ``async with`` block.
 
-        As :meth:`run_all`; ``timeout`` bounds only the wait for the turns.
+        As [run_all][keyserial.KeyedSerialQueue.run_all]; ``timeout`` bounds only the wait for the turns.
 
         Raises:
             TimeoutError: the turns did not all come within ``timeout`` seconds.
             ValueError: ``keys`` is empty, or ``timeout`` is negative.
-            TypeError, DeadlockError, QueueClosed, QueueFull: as for :meth:`run_all`.
+            TypeError, DeadlockError, QueueClosed, QueueFull: as for [run_all][keyserial.KeyedSerialQueue.run_all].
 
         Example:
+            ```pycon
             >>> import asyncio
             >>> from keyserial import KeyedSerialQueue
             >>> async def main() -> list[bool]:
@@ -282,6 +286,8 @@ class MultiKeyCalls(QueueShares):
             ...         return [queue.locked("a"), queue.locked("b")]
             >>> asyncio.run(main())
             [True, True]
+
+            ```
         """
         check_timeout(timeout)
         return TurnsLock(self._shares, keys, timeout, self._max_pending)

@@ -24,11 +24,14 @@ class QueueObserver:
     ``ran`` is ``None`` for a call that never started.
 
     Example:
+        ```pycon
         >>> from keyserial import KeyedSerialQueue, QueueObserver
         >>> class PrintWaits(QueueObserver):
         ...     def on_start(self, key, function, waited):
         ...         print(f"{function} waited {waited:.0f} s for {key!r}")
         >>> queue = KeyedSerialQueue(observer=PrintWaits())
+
+        ```
     """
 
     def on_register(self, key: Hashable, function: str) -> None:

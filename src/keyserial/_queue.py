@@ -49,16 +49,16 @@ class KeyedSerialQueue(MultiKeyCalls):
 
     Args:
         max_pending: per-key bound on running plus waiting calls; the call that
-            would exceed it raises :class:`QueueFull` at once. ``None`` means
+            would exceed it raises [QueueFull][keyserial.QueueFull] at once. ``None`` means
             unbounded.
         detect_deadlocks: check, whenever a call must wait, that the wait does
             not close a cycle of tasks waiting on each other, and raise
-            :class:`DeadlockError` instead of hanging. Only waiting calls pay.
-        count_calls: count every turn, so that :meth:`stats` reports ``started``
+            [DeadlockError][keyserial.DeadlockError] instead of hanging. Only waiting calls pay.
+        count_calls: count every turn, so that [stats][keyserial.KeyedSerialQueue.stats] reports ``started``
             and ``completed``. Off by default: the count would make every
             uncontended call about 8% dearer. Failures, cancellations, timeouts,
             rejections and supersessions are counted either way.
-        observer: a :class:`QueueObserver` told of every call's registration,
+        observer: a [QueueObserver][keyserial.QueueObserver] told of every call's registration,
             start (with time waited) and finish (with time run and outcome).
         slow_turn: seconds; a turn running longer logs one warning through the
             ``keyserial`` logger, naming the key and the function.
@@ -68,6 +68,7 @@ class KeyedSerialQueue(MultiKeyCalls):
             ``slow_turn`` is not ``None`` or a number > 0.
 
     Example:
+        ```pycon
         >>> import asyncio
         >>> from keyserial import KeyedSerialQueue
         >>> async def main() -> list[str]:
@@ -79,6 +80,8 @@ class KeyedSerialQueue(MultiKeyCalls):
         ...     return log
         >>> asyncio.run(main())
         ['a', 'b', 'c']
+
+        ```
     """
 
     __slots__ = ()
@@ -140,12 +143,15 @@ class KeyedSerialQueue(MultiKeyCalls):
             RuntimeError: awaited outside an asyncio task.
 
         Example:
+            ```pycon
             >>> import asyncio
             >>> from keyserial import KeyedSerialQueue
             >>> async def double(x: int) -> int:
             ...     return 2 * x
             >>> asyncio.run(KeyedSerialQueue().run("k", double, 21))
             42
+
+            ```
         """
         timeout = None
         try:
@@ -201,30 +207,33 @@ class KeyedSerialQueue(MultiKeyCalls):
         timeout: float | None = None,
         group: Hashable | None = None,
     ) -> T:
-        """Run ``await fn(*args, **kwargs)`` in ``key``'s turn: :meth:`run` with more options.
+        """Run ``await fn(*args, **kwargs)`` in ``key``'s turn: [run][keyserial.KeyedSerialQueue.run] with more options.
 
         ``timeout`` bounds only the wait for the turn: on expiry the built-in
-        :class:`TimeoutError` is raised, ``fn`` never starts and the key is not
+        `TimeoutError` is raised, ``fn`` never starts and the key is not
         left blocked. Once started, ``fn`` runs to completion.
 
         ``group`` makes the call coalescing (latest wins): when it has to wait,
         it supersedes the call of the same key and group that is still waiting,
-        which then raises :class:`Superseded` and never starts. A call that has
+        which then raises [Superseded][keyserial.Superseded] and never starts. A call that has
         started is never interrupted; calls of other groups keep their places.
 
         Raises:
             TimeoutError: the turn did not come within ``timeout`` seconds.
             Superseded: a newer call of the same ``group`` replaced this one.
             ValueError: ``timeout`` is negative.
-            QueueClosed, QueueFull, TypeError, RuntimeError: as for :meth:`run`.
+            QueueClosed, QueueFull, TypeError, RuntimeError: as for [run][keyserial.KeyedSerialQueue.run].
 
         Example:
+            ```pycon
             >>> import asyncio
             >>> from keyserial import KeyedSerialQueue
             >>> async def add(a: int, b: int) -> int:
             ...     return a + b
             >>> asyncio.run(KeyedSerialQueue().call("k", add, (1, 2), {}, timeout=1.0))
             3
+
+            ```
         """
         if timeout is not None:
             check_timeout(timeout)
@@ -289,6 +298,7 @@ class KeyedSerialQueue(MultiKeyCalls):
             RuntimeError: no event loop is running.
 
         Example:
+            ```pycon
             >>> import asyncio
             >>> from keyserial import KeyedSerialQueue
             >>> async def main() -> list[int]:
@@ -299,6 +309,8 @@ class KeyedSerialQueue(MultiKeyCalls):
             ...     return list(await asyncio.gather(*tasks))
             >>> asyncio.run(main())
             [0, 1, 2]
+
+            ```
         """
         if not callable(fn):
             raise TypeError(f"submit() needs an async callable, got {fn!r}")
@@ -313,15 +325,16 @@ class KeyedSerialQueue(MultiKeyCalls):
         The block registers when it is entered. ``timeout`` bounds only the
         wait for the turn; entering from the task that already holds ``key``
         does not wait and does not release the outer turn on exit. ``group``
-        coalesces as for :meth:`call`.
+        coalesces as for [call][keyserial.KeyedSerialQueue.call].
 
         Raises:
             TimeoutError: the turn did not come within ``timeout`` seconds.
             Superseded: a newer block of the same ``group`` replaced this one.
-            QueueClosed, QueueFull, TypeError, RuntimeError: as for :meth:`run`.
+            QueueClosed, QueueFull, TypeError, RuntimeError: as for [run][keyserial.KeyedSerialQueue.run].
             ValueError: ``timeout`` is negative.
 
         Example:
+            ```pycon
             >>> import asyncio
             >>> from keyserial import KeyedSerialQueue
             >>> async def main() -> bool:
@@ -330,6 +343,8 @@ class KeyedSerialQueue(MultiKeyCalls):
             ...         return queue.locked("seg-1")
             >>> asyncio.run(main())
             True
+
+            ```
         """
         check_timeout(timeout)
         return TurnLock(self._shares, key, timeout, group, self._max_pending)

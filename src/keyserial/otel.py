@@ -1,9 +1,12 @@
 """OpenTelemetry metrics for keyserial queues (extra: ``pip install "keyserial[otel]"``).
 
 Example:
+    ```pycon
     >>> from keyserial import KeyedSerialQueue
     >>> from keyserial.otel import OpenTelemetryObserver
     >>> queue = KeyedSerialQueue(observer=OpenTelemetryObserver())
+
+    ```
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ __all__ = ["OpenTelemetryObserver"]
 
 
 class OpenTelemetryObserver(QueueObserver):
-    """A :class:`~keyserial.QueueObserver` that records OpenTelemetry metrics.
+    """A [QueueObserver][keyserial.QueueObserver] that records OpenTelemetry metrics.
 
     Instruments (all with a ``function`` attribute, the called function's
     qualified name; never the key, so that cardinality stays bounded):
@@ -35,8 +38,11 @@ class OpenTelemetryObserver(QueueObserver):
             meter provider's meter named ``keyserial``.
 
     Example:
+        ```pycon
         >>> from keyserial.otel import OpenTelemetryObserver
         >>> observer = OpenTelemetryObserver()
+
+        ```
     """
 
     def __init__(self, meter: metrics.Meter | None = None) -> None:

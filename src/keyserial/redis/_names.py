@@ -48,8 +48,11 @@ def encode_key(key: object) -> str:
         ValueError: tuples in ``key`` nest deeper than ``MAX_KEY_DEPTH``.
 
     Example:
+        ```pycon
         >>> encode_key("seg-1") != encode_key(b"seg-1")
         True
+
+        ```
     """
     data = _serialize(key)
     if len(data) > MAX_ENCODED_KEY:

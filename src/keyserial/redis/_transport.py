@@ -33,8 +33,11 @@ class RedisUnavailable(ConnectionError):
     works again without being recreated.
 
     Example:
+        ```pycon
         >>> issubclass(RedisUnavailable, ConnectionError)
         True
+
+        ```
     """
 
 
@@ -67,7 +70,7 @@ def pack(*parts: bytes | str | int) -> bytes:
 
 
 class LuaScript:
-    """A script's text and SHA-1, ready to be sent by :class:`ScriptRunner`."""
+    """A script's text and SHA-1, ready to be sent by `ScriptRunner`."""
 
     __slots__ = ("sha", "source")
 
@@ -96,7 +99,7 @@ class ScriptRunner:
     drops every idle connection of the loop (the server restarted or closed them) and tries
     once more on a new one.
 
-    Raises (from :meth:`call`): redis-py's ``ConnectionError`` / ``TimeoutError`` when
+    Raises (from `call`): redis-py's ``ConnectionError`` / ``TimeoutError`` when
     Redis cannot be reached, its ``ResponseError`` when Redis refused the script.
     """
 
