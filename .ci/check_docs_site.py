@@ -1,4 +1,4 @@
-"""Open every page of the built docs site in headless Chromium, offline, and check what a reader sees.
+"""Open every page of the built docs site in headless Chromium, offline; check what readers see.
 
     python .ci/check_docs_site.py SITE_DIR [--screenshots DIR] [--chromium PATH]
 
@@ -42,7 +42,8 @@ CHECKS_JS = """
   for (const table of document.querySelectorAll("article table")) {
     const right = table.getBoundingClientRect().left + table.scrollWidth;
     if (right > limit) {
-      const head = (table.querySelector("tr") || table).innerText.slice(0, 60).replace(/\\s+/g, " ");
+      const row = table.querySelector("tr") || table;
+      const head = row.innerText.slice(0, 60).replace(/\\s+/g, " ");
       problems.push(`table wider than the page (${Math.round(right - limit)} px): ${head}`);
     }
   }

@@ -96,7 +96,7 @@ class QueueShares:
 
     @property
     def closed(self) -> bool:
-        """Whether [aclose][keyserial.KeyedSerialQueue.aclose] was called (for the running event loop)."""
+        """Whether [aclose][keyserial.KeyedSerialQueue.aclose] was called (for the running loop)."""
         return self._shares.inspected().closed
 
     async def join(self) -> None:
@@ -132,7 +132,7 @@ class QueueShares:
             raise
 
     async def aclose(self) -> None:
-        """Refuse new work with [QueueClosed][keyserial.QueueClosed], then wait for the registered work to finish.
+        """Refuse new work with [QueueClosed][keyserial.QueueClosed], then wait for registered work.
 
         Closing applies to the running event loop's share of the queue. Calls
         already registered, and re-entrant calls made inside their turns, still run.

@@ -241,7 +241,8 @@ class MultiKeyCalls(QueueShares):
             ValueError: ``keys`` is empty.
             TypeError: ``keys`` is a string, or one of them is not hashable.
             DeadlockError: waiting would close a cycle of tasks waiting on each other.
-            QueueClosed, QueueFull, RuntimeError: as for [run][keyserial.KeyedSerialQueue.run] (for any of the keys).
+            QueueClosed, QueueFull, RuntimeError: as for
+                [run][keyserial.KeyedSerialQueue.run] (for any of the keys).
 
         Example:
             ```pycon
@@ -269,12 +270,14 @@ class MultiKeyCalls(QueueShares):
     def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
         """Hold the turns of all ``keys`` for the body of an ``async with`` block.
 
-        As [run_all][keyserial.KeyedSerialQueue.run_all]; ``timeout`` bounds only the wait for the turns.
+        As [run_all][keyserial.KeyedSerialQueue.run_all]; ``timeout`` bounds only the wait for
+        the turns.
 
         Raises:
             TimeoutError: the turns did not all come within ``timeout`` seconds.
             ValueError: ``keys`` is empty, or ``timeout`` is negative.
-            TypeError, DeadlockError, QueueClosed, QueueFull: as for [run_all][keyserial.KeyedSerialQueue.run_all].
+            TypeError, DeadlockError, QueueClosed, QueueFull: as for
+                [run_all][keyserial.KeyedSerialQueue.run_all].
 
         Example:
             ```pycon

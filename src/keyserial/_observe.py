@@ -148,7 +148,7 @@ class _Watch:
 
 
 class ObservedQueue(KeyedSerialQueue):
-    """A [KeyedSerialQueue][keyserial.KeyedSerialQueue] that reports each call to an observer and warns of slow turns.
+    """A keyed serial queue that reports each call to an observer and warns of slow turns.
 
     Made by ``KeyedSerialQueue(observer=..., slow_turn=...)``; see there.
     """
@@ -230,7 +230,7 @@ class ObservedQueue(KeyedSerialQueue):
         return _ObservedLock(self._watching, keys, super().lock_all(keys, timeout))
 
     def stats(self) -> QueueStats:
-        """As [KeyedSerialQueue.stats][keyserial.KeyedSerialQueue.stats], with every running turn timed exactly."""
+        """As [stats][keyserial.KeyedSerialQueue.stats], with every running turn timed exactly."""
         base = super().stats()
         share = self._shares.inspected()
         watches = [

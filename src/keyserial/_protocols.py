@@ -1,8 +1,8 @@
 """What the decorator and the documentation promise about any queue: the shared protocols.
 
 Every queue of keyserial — the in-process ``KeyedSerialQueue`` and the distributed ones —
-implements [SerialQueue][keyserial.SerialQueue]; those that can hold several keys at once also implement
-[MultiKeySerialQueue][keyserial.MultiKeySerialQueue]. ``lock()`` and ``lock_all()`` return a [KeyLock][keyserial.KeyLock].
+implements ``SerialQueue``; those that can hold several keys at once also implement
+``MultiKeySerialQueue``. ``lock()`` and ``lock_all()`` return a ``KeyLock``.
 """
 
 from __future__ import annotations

@@ -54,8 +54,9 @@ class KeyedSerialQueue(MultiKeyCalls):
         detect_deadlocks: check, whenever a call must wait, that the wait does
             not close a cycle of tasks waiting on each other, and raise
             [DeadlockError][keyserial.DeadlockError] instead of hanging. Only waiting calls pay.
-        count_calls: count every turn, so that [stats][keyserial.KeyedSerialQueue.stats] reports ``started``
-            and ``completed``. Off by default: the count would make every
+        count_calls: count every turn, so that
+            [stats][keyserial.KeyedSerialQueue.stats] reports ``started`` and
+            ``completed``. Off by default: the count would make every
             uncontended call about 8% dearer. Failures, cancellations, timeouts,
             rejections and supersessions are counted either way.
         observer: a [QueueObserver][keyserial.QueueObserver] told of every call's registration,
@@ -207,7 +208,7 @@ class KeyedSerialQueue(MultiKeyCalls):
         timeout: float | None = None,
         group: Hashable | None = None,
     ) -> T:
-        """Run ``await fn(*args, **kwargs)`` in ``key``'s turn: [run][keyserial.KeyedSerialQueue.run] with more options.
+        """Run ``await fn(*args, **kwargs)`` in ``key``'s turn: ``run`` with more options.
 
         ``timeout`` bounds only the wait for the turn: on expiry the built-in
         `TimeoutError` is raised, ``fn`` never starts and the key is not
@@ -222,7 +223,8 @@ class KeyedSerialQueue(MultiKeyCalls):
             TimeoutError: the turn did not come within ``timeout`` seconds.
             Superseded: a newer call of the same ``group`` replaced this one.
             ValueError: ``timeout`` is negative.
-            QueueClosed, QueueFull, TypeError, RuntimeError: as for [run][keyserial.KeyedSerialQueue.run].
+            QueueClosed, QueueFull, TypeError, RuntimeError: as for
+                [run][keyserial.KeyedSerialQueue.run].
 
         Example:
             ```pycon
@@ -330,7 +332,8 @@ class KeyedSerialQueue(MultiKeyCalls):
         Raises:
             TimeoutError: the turn did not come within ``timeout`` seconds.
             Superseded: a newer block of the same ``group`` replaced this one.
-            QueueClosed, QueueFull, TypeError, RuntimeError: as for [run][keyserial.KeyedSerialQueue.run].
+            QueueClosed, QueueFull, TypeError, RuntimeError: as for
+                [run][keyserial.KeyedSerialQueue.run].
             ValueError: ``timeout`` is negative.
 
         Example:
