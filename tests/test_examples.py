@@ -10,6 +10,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
+from .scheduling import settle
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -103,3 +107,62 @@ def test_fastapi_save_segment_race_is_real_without_the_decorator() -> None:
     assert asyncio.run(race(app_module.save_segment)) == "final: hello"
     unserialized = getattr(app_module.save_segment, "__wrapped__")  # noqa: B009
     assert asyncio.run(race(unserialized)) == "partial: helo"
+
+
+async def _put(client: Any, path: str, stage: str, latency: float = 0.0) -> Any:
+    return await client.put(path, json={"stage": stage, "text": stage, "latency": latency})
+
+
+@pytest.mark.asyncio
+@pytest.mark.fake_clock
+async def test_fastapi_maps_the_queues_refusals_to_http_statuses() -> None:
+    import httpx
+
+    app_module = load_example("fastapi_app")
+    transport = httpx.ASGITransport(app=app_module.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://segments") as client:
+        # A burst on one segment past max_pending: 429 with Retry-After, never a bare 500.
+        holder = asyncio.create_task(_put(client, "/segments/burst", "slow", latency=1.0))
+        await settle()
+        burst = [
+            asyncio.create_task(_put(client, "/segments/burst", f"u{i}"))
+            for i in range(app_module.MAX_PENDING - 1 + 50)  # 50 more than fit behind holder
+        ]
+        responses = [await holder, *await asyncio.gather(*burst)]
+        codes = [response.status_code for response in responses]
+        assert codes.count(200) == app_module.MAX_PENDING
+        assert codes.count(429) == 50 and set(codes) == {200, 429}
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.headers["Retry-After"] == app_module.RETRY_AFTER
+        # A turn that does not come within WAIT: 503 with Retry-After.
+        slow = asyncio.create_task(
+            _put(client, "/segments/t", "slow", latency=10 * app_module.WAIT)
+        )
+        await settle()
+        waited = await _put(client, "/segments/t", "late")
+        assert waited.status_code == 503 and "Retry-After" in waited.headers
+        assert (await slow).status_code == 200
+        # A partial replaced by a newer one while both wait: 409.
+        final = asyncio.create_task(_put(client, "/segments/p", "final", latency=1.0))
+        await settle()
+        older = asyncio.create_task(_put(client, "/segments/p/partial", "partial 1"))
+        await settle()
+        newer = asyncio.create_task(_put(client, "/segments/p/partial", "partial 2"))
+        assert (await older).status_code == 409
+        assert [(await final).status_code, (await newer).status_code] == [200, 200]
+        assert (await client.get("/segments/p")).json()["saved"] == "partial 2: partial 2"
+
+
+@pytest.mark.asyncio
+async def test_fastapi_app_closes_its_queue_on_shutdown() -> None:
+    import httpx
+
+    app_module = load_example("fastapi_app")
+    transport = httpx.ASGITransport(app=app_module.app)
+    lifespan = app_module.app.router.lifespan_context(app_module.app)
+    async with lifespan, httpx.AsyncClient(transport=transport, base_url="http://s") as client:
+        assert (await _put(client, "/segments/a", "open")).status_code == 200
+    assert app_module.segment_queue.closed
+    async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
+        refused = await _put(client, "/segments/a", "after shutdown")
+    assert refused.status_code == 503 and refused.json()["detail"] == "shutting down"
