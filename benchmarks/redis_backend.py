@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 import redis.asyncio as redis_asyncio
@@ -51,7 +52,7 @@ def start_server() -> tuple[subprocess.Popen[bytes], int, str]:
          "--dir", directory],
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
-    client = redis.Redis(port=port)
+    client: Any = redis.Redis(port=port)  # redis-py's sync types are partly unknown
     for _ in range(500):
         try:
             client.ping()
@@ -66,8 +67,8 @@ class RoundTrips:
 
     def __init__(self, port: int) -> None:
         self.count = 0
-        self._monitor = redis.Redis(port=port).monitor()  # type: ignore[no-untyped-call]
-        self._connection = self._monitor.__enter__()
+        self._monitor: Any = redis.Redis(port=port).monitor()  # type: ignore[no-untyped-call]
+        self._connection: Any = self._monitor.__enter__()
         self._thread = threading.Thread(target=self._listen, daemon=True)
         self._thread.start()
 
@@ -98,7 +99,7 @@ async def _uncontended(library: str, port: int, calls: int) -> float:
         if library == LIBRARIES[0]:
             await queue.run(f"u{i}", nothing)
         elif library == LIBRARIES[1]:
-            lock = async_client.lock(f"u{i}", timeout=10, sleep=0.001)
+            lock: Any = async_client.lock(f"u{i}", timeout=10, sleep=0.001)
             await lock.acquire()
             await lock.release()
         else:
@@ -146,7 +147,7 @@ def _hand_off_worker(
             if library == LIBRARIES[0]:
                 await queue.run("ball", turn)
             elif library == LIBRARIES[1]:
-                lock = async_client.lock("ball-lock", timeout=10, sleep=0.001)
+                lock: Any = async_client.lock("ball-lock", timeout=10, sleep=0.001)
                 await lock.acquire()
                 await turn()
                 await lock.release()

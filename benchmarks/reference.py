@@ -13,7 +13,10 @@ import inspect
 import textwrap
 from typing import Any
 
-from keyserial import KeyedSerialQueue, _queue
+from keyserial import (
+    KeyedSerialQueue,
+    _queue,  # pyright: ignore[reportPrivateUsage]  # run()'s own module
+)
 
 COUNTING_CLAUSE = "share.counts.failure(exc)"
 

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .scenarios import Table
 
@@ -60,7 +61,7 @@ def targets(tables: Sequence[Table], waiter_sizes: Sequence[int]) -> list[Target
     """The issue's performance targets, each checked against this run's tables."""
     by_id = {table.id: table.values for table in tables}
     growth = {table.id: table.growth for table in tables}
-    results = []
+    results: list[Target] = []
     if "uncontended-distinct-keys" in by_id:
         v = by_id["uncontended-distinct-keys"]
         results += [
@@ -132,16 +133,24 @@ def plot(curves: dict[str, dict[int, float]], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    figure, axes = plt.subplots(figsize=(8, 5))
-    for name, points in curves.items():
-        sizes = sorted(points)
-        style = "-" if "none cancelled" in name else "--"
-        axes.plot(sizes, [points[s] for s in sizes], style, marker="o", label=name)
-    axes.set_xlabel("waiters queued on one key")
-    axes.set_ylabel("ns per waiting call")
-    axes.set_title(f"Cost per call versus number of waiters (Python {sys.version.split()[0]})")
-    axes.set_ylim(bottom=0)
-    axes.legend(fontsize=7)
+    # Two panels (waiters that all wait, and half of them cancelled) on a log scale: the
+    # baselines span two orders of magnitude, and a linear axis flattens keyserial's lines.
+    figure: Any
+    panels: Any
+    figure, panels = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    for panel, cancelled in zip(panels, (False, True), strict=True):
+        for name, points in curves.items():
+            if ("none cancelled" in name) == cancelled:
+                continue
+            sizes = sorted(points)
+            panel.plot(sizes, [points[s] for s in sizes], marker="o", label=name.split(" (")[0])
+        panel.set_xlabel("waiters queued on one key")
+        panel.set_yscale("log")
+        panel.set_title("half cancelled before their turn" if cancelled else "none cancelled")
+        panel.grid(True, which="both", alpha=0.3)
+        panel.legend(fontsize=8)
+    panels[0].set_ylabel("ns per waiting call (log scale)")
+    figure.suptitle(f"Cost per call versus number of waiters (Python {sys.version.split()[0]})")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

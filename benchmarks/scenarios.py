@@ -24,12 +24,12 @@ class Table:
     id: str
     title: str
     unit: str
-    values: dict[str, float] = field(default_factory=dict)
+    values: dict[str, float] = field(default_factory=dict[str, float])
     reference: str = "keyserial"
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list[str])
     ratios: bool = True
     #: For the many-waiters tables: total time of the largest run over the middle one.
-    growth: dict[str, float] = field(default_factory=dict)
+    growth: dict[str, float] = field(default_factory=dict[str, float])
 
 
 async def noop() -> None:
@@ -49,7 +49,7 @@ def _sequential_variant(adapter: Adapter, keys: Sequence[Hashable]) -> Variant:
 
 
 async def uncontended(adapters: Sequence[Adapter], calls: int, repeats: int) -> list[Table]:
-    tables = []
+    tables: list[Table] = []
     for label, keys in (("distinct keys", list(range(calls))), ("one key", [0] * calls)):
         variants = [_sequential_variant(a, keys) for a in adapters]
         seconds = await interleave(variants, repeats)
@@ -61,7 +61,7 @@ async def uncontended(adapters: Sequence[Adapter], calls: int, repeats: int) -> 
                 _ns_per_call(seconds, calls),
             )
         )
-    leaked = {}
+    leaked: dict[str, int] = {}
     for adapter in adapters:
         adapter.reset()
         await adapter.sequential(list(range(calls)), noop)
@@ -141,7 +141,7 @@ async def contended(adapters: Sequence[Adapter], calls: int, repeats: int) -> li
     call ever waits: this prices the bookkeeping. When fn yields once, calls of a key
     really wait for each other: a waiting call needs one more wake-up by the loop.
     """
-    tables = []
+    tables: list[Table] = []
     for fn, fn_label, fn_id in (
         (yield_once, "each yields once", ""),
         (noop, "each returns at once", "-noop"),
@@ -351,7 +351,7 @@ async def many_waiters(
     adapters: Sequence[Adapter], sizes: Sequence[int], repeats: int
 ) -> tuple[list[Table], dict[str, dict[int, float]]]:
     """Per-call cost of queuing ``n`` waiters on one key, for each n; the curve must be flat."""
-    tables = []
+    tables: list[Table] = []
     curves: dict[str, dict[int, float]] = {}
     for cancel_half in (False, True):
         label = "half cancelled before their turn" if cancel_half else "none cancelled"

@@ -22,7 +22,7 @@ Run it:  uvicorn examples.fastapi_app:app   (or: python examples/fastapi_app.py)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -40,7 +40,7 @@ segment_queue = KeyedSerialQueue(max_pending=MAX_PENDING)
 
 
 @asynccontextmanager
-async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
     yield
     await segment_queue.aclose()  # refuse new work, let the queued updates finish
 
@@ -112,7 +112,7 @@ async def demo() -> dict[str, str]:
 
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://segments") as client:
-        requests = []
+        requests: list[asyncio.Task[httpx.Response]] = []
         for seg_id in ("a", "b", "c"):
             partial = {"stage": "partial", "text": "helo", "latency": 0.05}
             requests.append(asyncio.create_task(client.put(f"/segments/{seg_id}", json=partial)))

@@ -26,7 +26,7 @@ class TranscriptService:
         self.text: dict[str, str] = {}
         self.log: list[str] = []
 
-    @serialized(key=lambda self, seg_id, *a, **k: seg_id, queue=SEGMENTS)
+    @serialized(key="seg_id", queue=SEGMENTS)
     async def save_partial(self, seg_id: str, text: str, latency: float = 0.0) -> None:
         self.log.append(f"{seg_id}: partial {text!r} starts")
         await asyncio.sleep(latency)  # a slow write

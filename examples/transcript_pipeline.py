@@ -31,7 +31,7 @@ STAGES = ("partial", "revision", "final")
 class Store:
     """The database the pipeline writes to: the last saved stage of each segment."""
 
-    saved: dict[str, str] = field(default_factory=dict)
+    saved: dict[str, str] = field(default_factory=dict[str, str])
     max_concurrent: int = 0
     _in_flight: int = 0
 
@@ -58,7 +58,7 @@ class Event:
 def make_events(segments: int, seed: int) -> list[Event]:
     """Three updates per segment, a few steps apart, each with a random save latency."""
     rng = random.Random(seed)
-    events = []
+    events: list[Event] = []
     for n in range(segments):
         start = rng.randrange(50)
         for order, stage in enumerate(STAGES):
@@ -125,7 +125,7 @@ async def main(segments: int, seed: int) -> dict[str, Store]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--segments", type=int, default=200)
     parser.add_argument("--seed", type=int, default=7)
     options = parser.parse_args()

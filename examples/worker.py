@@ -25,7 +25,7 @@ STOP = None
 
 @dataclass
 class Stats:
-    handled: dict[str, list[int]] = field(default_factory=dict)
+    handled: dict[str, list[int]] = field(default_factory=dict[str, list[int]])
     running: int = 0
     max_running: int = 0
 
@@ -51,7 +51,7 @@ async def produce(events: asyncio.Queue[tuple[str, int, float] | None], count: i
 async def consume(events: asyncio.Queue[tuple[str, int, float] | None], stats: Stats) -> None:
     queue = KeyedSerialQueue()
     try:
-        while (event := await events.get()) is not STOP:
+        while (event := await events.get()) is not None:  # None is STOP
             seg_id, seq, latency = event
             queue.submit(seg_id, handle, stats, seg_id, seq, latency)
     finally:
@@ -72,7 +72,7 @@ async def main(count: int) -> Stats:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--events", type=int, default=400)
     stats = asyncio.run(main(parser.parse_args().events))
     in_order = all(seqs == sorted(seqs) for seqs in stats.handled.values())

@@ -20,8 +20,8 @@ class FakeClockLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         super().__init__(selectors.DefaultSelector())
         self.now = 0.0
-        selector: Any = self._selector  # type: ignore[attr-defined]
-        select = selector.select
+        selector: Any = getattr(self, "_selector")  # noqa: B009  # asyncio's, not public
+        select: Any = getattr(selector, "select")  # noqa: B009
 
         def jump_to_next_timer(timeout: float | None = None) -> Any:
             if timeout is not None and timeout > 0:

@@ -115,9 +115,9 @@ class Report:
     turns: int = 0
     outcomes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     faults: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    overlaps: list[str] = field(default_factory=list)
-    lost_writes: list[str] = field(default_factory=list)
-    hung: list[str] = field(default_factory=list)
+    overlaps: list[str] = field(default_factory=list[str])
+    lost_writes: list[str] = field(default_factory=list[str])
+    hung: list[str] = field(default_factory=list[str])
 
     def problems(self) -> list[str]:
         return self.overlaps + self.lost_writes + self.hung

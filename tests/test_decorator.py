@@ -50,9 +50,6 @@ async def test_key_by_name_from_positional_keyword_and_default() -> None:
     queue = KeyedSerialQueue()
     seen: list[object] = []
 
-    async def spy(*args: Any) -> None:
-        return None
-
     class SpyQueue:
         def run(self, key: object, fn: Callable[..., Awaitable[Any]], /, *a: Any, **k: Any) -> Any:
             raise AssertionError("@serialized routes through call()")

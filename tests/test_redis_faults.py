@@ -145,6 +145,7 @@ async def test_a_timeout_bounds_the_wait_while_redis_stalls(
 
     await queue.run("warm-up", work)  # connected, scripts loaded
     ran.clear()
+    stall: asyncio.Task[None] | None = None
     if how == "CLIENT PAUSE":
         await pauser.client_pause(3000)
     else:
@@ -156,7 +157,7 @@ async def test_a_timeout_bounds_the_wait_while_redis_stalls(
     assert done, "the call's timeout did not hold while Redis stalled"
     with pytest.raises(TimeoutError):
         await call
-    if how == "CLIENT PAUSE":
+    if stall is None:
         await pauser.client_unpause()
     else:
         await stall

@@ -7,6 +7,7 @@ import sys
 import threading
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -80,7 +81,8 @@ class Arrivals:
     def _read(self) -> None:
         try:
             while True:
-                command = self.monitor.next_command()["command"]
+                entry: Any = self.monitor.next_command()
+                command = str(entry["command"])
                 if command.startswith("EVALSHA"):
                     self.commands.append(command)
         except Exception:  # the connection closed: stop()
@@ -96,7 +98,7 @@ class Arrivals:
         from keyserial.redis import encode_key
 
         marker = f":{encode_key(key)}}}"
-        tickets = []
+        tickets: list[str] = []
         for command in self.commands:
             parts = command.split()
             if parts[0] == "EVALSHA" and parts[1] == self.sha and parts[3].endswith(marker):

@@ -207,7 +207,7 @@ def test_under_trio_the_error_says_keyserial_needs_asyncio() -> None:
             lambda: decorated("k"),
             queue.join,
         ]
-        messages = []
+        messages: list[str] = []
         for attempt in attempts:
             with pytest.raises(RuntimeError) as info:
                 await attempt()

@@ -5,7 +5,7 @@ different keys run concurrently. See [KeyedSerialQueue][keyserial.KeyedSerialQue
 [serialized][keyserial.serialized].
 """
 
-from . import _observe  # noqa: F401  # registers the observed queue
+from . import _observe as _observe  # registers the observed queue
 from ._decorator import serialized
 from ._default import default_queue
 from ._errors import DeadlockError, LeaseLost, QueueClosed, QueueFull, Superseded

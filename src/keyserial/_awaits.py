@@ -24,9 +24,9 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import FrameType
-from typing import Any, NamedTuple, TypeGuard
+from typing import Any, NamedTuple, TypeGuard, cast
 
 #: How long a thread waits for its work to be chained to the loop's future (seconds).
 _CHAIN_WAIT = 1.0
@@ -77,10 +77,10 @@ def _task_group_tasks(frame: FrameType) -> tuple[Any, ...] | None:
     if frame.f_code.co_name not in ("__aexit__", "_aexit"):
         return None
     group = frame.f_locals.get("self")
-    tasks = getattr(group, "_tasks", None)
+    tasks: Any = getattr(group, "_tasks", None)
     if type(group).__name__ != "TaskGroup" or not isinstance(tasks, (set, list)):
         return None
-    return tuple(tasks)
+    return tuple(cast("Iterable[Any]", tasks))
 
 
 def _explained_by_frame(frame: FrameType) -> Wait | None:
@@ -131,9 +131,10 @@ def _callbacks(future: Any) -> list[Any]:
 
 def waits_of_future(future: Any) -> Wait | None:
     """What completes the pending ``future`` in turn (a gather's children, a shield's inner)."""
-    children = getattr(future, "_children", None)
+    children: Any = getattr(future, "_children", None)
     if type(future).__name__ == "_GatheringFuture" and isinstance(children, list):
-        return Wait(True, tuple(children), "gather")
+        found: list[Any] = children  # pyright: ignore[reportUnknownVariableType]
+        return Wait(True, tuple(found), "gather")
     for callback in _callbacks(future):
         if getattr(callback, "__qualname__", "") == "shield.<locals>._outer_done_callback":
             inner = _closure_value(callback, "inner")
@@ -197,7 +198,7 @@ def tasks_waiting_for(future: Any) -> list[asyncio.Task[Any]]:
 
 def future_of_thread_work() -> asyncio.Future[Any] | None:
     """The loop's future for the executor work this thread runs (``to_thread``), if any."""
-    frame: FrameType | None = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]
     while frame is not None:
         if frame.f_code.co_name == "run" and "concurrent" in frame.f_code.co_filename:
             work = getattr(frame.f_locals.get("self"), "future", None)

@@ -7,7 +7,7 @@ import importlib
 import inspect
 import types
 from collections.abc import Callable, Coroutine, Hashable, Iterable
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast, overload
 
 import wrapt
 
@@ -93,7 +93,9 @@ def _named_after(method: Any, qualname: str) -> Any:
 
 
 def _underlying_function(fn: Any) -> Any:
-    return fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
+    if isinstance(fn, (classmethod, staticmethod)):
+        return cast("Any", fn).__func__
+    return fn
 
 
 def _check_async(fn: Any, qualname: str) -> None:

@@ -139,7 +139,7 @@ def current_fence() -> int:
     blocks = {id(frame): fence for frame, fence in _lock_blocks.get()}
     # The coroutines awaiting each other are all running now, one calling the next:
     # their frames are on the call stack, innermost first.
-    fence = _fence_on_frames(_stack(sys._getframe(1)), blocks)
+    fence = _fence_on_frames(_stack(sys._getframe(1)), blocks)  # pyright: ignore[reportPrivateUsage]
     if fence is not None:
         return fence
     fence = _fence_of_holder_waiting(blocks)

@@ -68,7 +68,7 @@ class TurnLock:
                 return  # re-entry: the outer turn stays in charge of releasing
             await share.await_turn(key, waiter, task)
         self._share, self._task = share, task
-        owner = sys._getframe(1)  # the coroutine running the ``async with`` block
+        owner = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the block's coroutine
         self._fence_token = enter_lock_block(owner, lambda: share.fence_for((key,)))
 
     async def __aexit__(

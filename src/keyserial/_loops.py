@@ -16,7 +16,7 @@ import asyncio
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ._share import LoopShare
 
@@ -27,9 +27,9 @@ TaskOf = Callable[[asyncio.AbstractEventLoop], "asyncio.Task[Any] | None"]
 
 def _select_task_of() -> TaskOf:
     if sys.version_info < (3, 12):
-        current_tasks = getattr(asyncio.tasks, "_current_tasks", None)
+        current_tasks: Any = getattr(asyncio.tasks, "_current_tasks", None)
         if isinstance(current_tasks, dict):
-            return current_tasks.get
+            return cast("dict[asyncio.AbstractEventLoop, asyncio.Task[Any]]", current_tasks).get
     return asyncio.current_task
 
 

@@ -197,7 +197,7 @@ class TurnsLock:
         share, task = self._shares.running()
         registration = await acquire_all(share, task, self._keys, self._timeout, self._max_pending)
         self._held = (share, task, registration)
-        owner = sys._getframe(1)  # the coroutine running the ``async with`` block
+        owner = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the block's coroutine
         self._fence_token = enter_lock_block(owner, lambda: share.fence_for(registration.keys))
 
     async def __aexit__(

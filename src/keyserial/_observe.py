@@ -186,7 +186,9 @@ class ObservedQueue(KeyedSerialQueue):
         group: Hashable | None = None,
     ) -> T:
         watch = _Watch(self._watching, key, _name(fn))
-        call = super().call(key, watch.run, (fn, *args), kwargs, timeout, group)
+        call: Awaitable[T] = super().call(  # pyright: ignore[reportAssignmentType]
+            key, watch.run, (fn, *args), kwargs, timeout, group
+        )
         return await watch.watch(call)
 
     def submit(

@@ -28,7 +28,7 @@ class KeyHolders(Protocol):
     def holding_task(self, key: Hashable) -> Task | None: ...
 
 
-class Waiter(asyncio.Future):  # type: ignore[type-arg]
+class Waiter(asyncio.Future[Any]):
     """What a waiting call awaits.
 
     Its result is True once granted, False on timeout, None if superseded, or the error

@@ -89,7 +89,7 @@ def submit(
         waiter = share.register(key, holder, NEW_TASK, None, max_pending)
     assert waiter is not None  # a task that does not exist yet holds nothing
     submission = Submission(share, key, waiter)
-    coroutine = cast("CoroutineType[Any, Any, T]", submission.execute(fn, args, kwargs))
+    coroutine = cast("CoroutineType[Any, Any, T]", submission.execute(fn, args, kwargs))  # pyright: ignore[reportUnnecessaryCast]  # mypy sees a Coroutine
     # The task shows the caller's function, not Submission.execute.
     coroutine.__qualname__ = getattr(fn, "__qualname__", coroutine.__qualname__)
     task = loop.create_task(coroutine)

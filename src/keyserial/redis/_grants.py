@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+from typing import Any, cast
 
 import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
@@ -70,15 +71,15 @@ class GrantListener:
         if waiting is _NOT_WAITING:
             return  # nobody waits for this ticket any more
         if isinstance(waiting, asyncio.Future) and not waiting.done():
-            waiting.set_result(fence)
+            cast("asyncio.Future[int | None]", waiting).set_result(fence)
         else:  # its request has not returned yet, or its poll timer just fired
             self.waiting[ticket] = fence
 
     async def _listen(self) -> None:
         backoff = 0.05
         while True:
-            client = self.client
-            pubsub = None
+            client: Any = self.client  # redis-py's pub/sub types are partly unknown
+            pubsub: Any = None
             try:
                 pubsub = client.pubsub()
                 if isinstance(client, redis_asyncio.RedisCluster):
@@ -103,7 +104,7 @@ class GrantListener:
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+                        await pubsub.aclose()
 
 
 _NOT_WAITING = object()

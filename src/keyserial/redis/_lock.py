@@ -58,7 +58,8 @@ class RedisLock:
                 raise
             self._turn, self._task = turn, task
         held = turn
-        self._fence_token = enter_lock_block(sys._getframe(1), lambda: held.fence)
+        owner = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the block's coroutine
+        self._fence_token = enter_lock_block(owner, lambda: held.fence)
 
     async def __aexit__(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from typing import cast
 
 #: Encoded keys longer than this are replaced by their SHA-256, so Redis key names stay short.
 MAX_ENCODED_KEY = 200
@@ -28,7 +29,8 @@ def _serialize(key: object, depth: int = 0) -> bytes:
                 f"RedisKeyedQueue keys are tuples nested at most {MAX_KEY_DEPTH} deep; "
                 "this key is nested deeper"
             )
-        return b"t%d:" % len(key) + b"".join(_serialize(item, depth + 1) for item in key)
+        items = cast("tuple[object, ...]", key)
+        return b"t%d:" % len(items) + b"".join(_serialize(item, depth + 1) for item in items)
     raise TypeError(
         f"RedisKeyedQueue keys must be str, bytes, int or tuples of them, not {type(key).__name__}"
     )

@@ -217,4 +217,4 @@ def _redis_turn_fence(frame: Mapping[str, Any]) -> int | None:
     return turn.fence if isinstance(turn, Turn) else None
 
 
-register_turn_code(RedisKeyedQueue._turn.__code__, _redis_turn_fence)
+register_turn_code(RedisKeyedQueue._turn.__code__, _redis_turn_fence)  # pyright: ignore[reportPrivateUsage]

@@ -136,13 +136,17 @@ class RedisTurns:
     async def _check_eviction_policy(self) -> None:
         """Warn once if Redis may evict keys: an evicted holder lets two callers in at once."""
         try:
-            reply = await asyncio.wait_for(
-                self.client.config_get("maxmemory-policy"), timeout=self.lease
+            client: Any = self.client  # redis-py's reply types are partly unknown
+            reply: Any = await asyncio.wait_for(
+                client.config_get("maxmemory-policy"), timeout=self.lease
             )
         except Exception:  # CONFIG not allowed (ACL, managed Redis) or not answered: unknown
             logger.debug("keyserial: could not read maxmemory-policy", exc_info=True)
             return
-        values = list(reply.values()) if isinstance(reply, dict) else []
+        values: list[Any] = []
+        if isinstance(reply, dict):
+            policies: dict[Any, Any] = reply  # pyright: ignore[reportUnknownVariableType]
+            values = list(policies.values())
         policy = text(values[0]) if values else "noeviction"
         if policy != "noeviction":
             logger.warning(
