@@ -147,13 +147,13 @@ async def test_a_timeout_bounds_the_wait_while_redis_stalls(
     ran.clear()
     stall: asyncio.Task[None] | None = None
     if how == "CLIENT PAUSE":
-        await pauser.client_pause(3000)
+        await pauser.client_pause(1500)
     else:
-        stall = asyncio.create_task(debug_sleep(pauser, 3.0))
+        stall = asyncio.create_task(debug_sleep(pauser, 1.5))
         await asyncio.sleep(0.1)
-    call = asyncio.create_task(queue.call("k", work, (), {}, timeout=0.5))
+    call = asyncio.create_task(queue.call("k", work, (), {}, timeout=0.3))
     # The test waits less than the stall: a timeout that waits for Redis to answer fails it.
-    done, _ = await asyncio.wait([call], timeout=2.0)
+    done, _ = await asyncio.wait([call], timeout=1.0)
     assert done, "the call's timeout did not hold while Redis stalled"
     with pytest.raises(TimeoutError):
         await call
@@ -171,15 +171,15 @@ async def test_a_timeout_bounds_the_wait_while_redis_stalls(
 async def test_a_call_without_timeout_fails_within_its_lease_when_redis_does_not_answer(
     clients: Clients, pauser: redis.asyncio.Redis
 ) -> None:
-    queue = RedisKeyedQueue(clients(), namespace="stall", lease=0.5)
+    queue = RedisKeyedQueue(clients(), namespace="stall", lease=0.3)
 
     async def work() -> None:
         return None
 
     await queue.run("warm-up", work)
-    await pauser.client_pause(4000)
+    await pauser.client_pause(2000)
     with pytest.raises(RedisUnavailable, match="did not answer"):
-        await asyncio.wait_for(queue.run("k", work), timeout=3.0)
+        await asyncio.wait_for(queue.run("k", work), timeout=1.5)  # less than the pause
     await pauser.client_unpause()
     await queue.aclose()
 
