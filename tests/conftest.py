@@ -11,7 +11,7 @@ from collections.abc import (
     Iterator,
     Mapping,
 )
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import pytest_asyncio
@@ -19,8 +19,12 @@ import redis.asyncio as redis
 
 from keyserial import KeyedSerialQueue
 
+if TYPE_CHECKING:
+    from psycopg_pool import AsyncConnectionPool
+
 from .clock import FakeClockLoop
 from .loops import LOOP_FACTORIES, LoopFactory
+from .postgres_server import private_database
 from .redis_helpers import Clients
 from .redis_server import RedisServer, redis_server_binary
 
@@ -91,3 +95,33 @@ def _through_call(
 def run_in_turn(request: pytest.FixtureRequest) -> RunInTurn:
     """``queue.run`` and ``queue.call`` in turn: the two copies of the hot path."""
     return _through_run if request.param == "run" else _through_call
+
+
+@pytest.fixture
+def postgres_dsn() -> Iterator[str]:
+    """A database of the test's own on the test PostgreSQL server, dropped afterwards."""
+    with private_database() as dsn:
+        yield dsn
+
+
+#: Makes an open connection pool on the test's database (one per simulated process).
+Pools = Callable[..., Awaitable["AsyncConnectionPool[Any]"]]
+
+
+@pytest_asyncio.fixture
+async def pools(postgres_dsn: str) -> AsyncIterator[Pools]:
+    from psycopg_pool import AsyncConnectionPool
+
+    made: list[AsyncConnectionPool[Any]] = []
+
+    async def make(**options: Any) -> AsyncConnectionPool[Any]:
+        options.setdefault("min_size", 1)
+        options.setdefault("max_size", 10)
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(postgres_dsn, open=False, **options)
+        await pool.open()
+        made.append(pool)
+        return pool
+
+    yield make
+    for pool in made:
+        await pool.close()

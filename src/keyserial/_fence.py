@@ -30,9 +30,11 @@ import sys
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar, Token
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from ._awaits import MAX_DEPTH, coroutine_chain, frame_of, future_of_thread_work, tasks_waiting_for
+
+V = TypeVar("V")
 
 #: Reads the fence from a turn frame's locals; None if that frame holds no key of its own.
 FenceReader = Callable[[Mapping[str, Any]], "int | None"]
@@ -137,12 +139,7 @@ def current_fence() -> int:
         ```
     """
     blocks = {id(frame): fence for frame, fence in _lock_blocks.get()}
-    # The coroutines awaiting each other are all running now, one calling the next:
-    # their frames are on the call stack, innermost first.
-    fence = _fence_on_frames(_stack(sys._getframe(1)), blocks)  # pyright: ignore[reportPrivateUsage]
-    if fence is not None:
-        return fence
-    fence = _fence_of_holder_waiting(blocks)
+    fence = innermost_turn(_turn_readers, blocks, sys._getframe(1))  # pyright: ignore[reportPrivateUsage]
     if fence is not None:
         return fence
     raise RuntimeError(
@@ -151,45 +148,67 @@ def current_fence() -> int:
     )
 
 
+def innermost_turn(
+    readers: Mapping[CodeType, Callable[[Mapping[str, Any]], V | None]],
+    blocks: Mapping[int, Callable[[], V | None]],
+    frame: FrameType | None,
+) -> V | None:
+    """What ``readers`` (or ``blocks``) read off the innermost turn ``frame`` runs in or works for.
+
+    First the call stack from ``frame`` outwards: the coroutines awaiting each other are
+    all running, one calling the next. Then, for a helper task or thread, the suspended
+    coroutines of the nearest task in a turn that waits for it.
+    """
+    found = _on_frames(readers, blocks, _stack(frame))
+    if found is not None:
+        return found
+    return _of_holder_waiting(readers, blocks)
+
+
 def _stack(frame: FrameType | None) -> Iterator[FrameType]:
     while frame is not None:
         yield frame
         frame = frame.f_back
 
 
-def _fence_on_frames(
-    frames: Iterable[FrameType], blocks: Mapping[int, Callable[[], int | None]]
-) -> int | None:
-    """The fence of the first frame, innermost first, that runs a turn."""
+def _on_frames(
+    readers: Mapping[CodeType, Callable[[Mapping[str, Any]], V | None]],
+    blocks: Mapping[int, Callable[[], V | None]],
+    frames: Iterable[FrameType],
+) -> V | None:
+    """What the first frame, innermost first, that runs a turn gives."""
     for frame in frames:
-        reader = _turn_readers.get(frame.f_code)
-        if reader is not None and (fence := reader(frame.f_locals)) is not None:
-            return fence
+        reader = readers.get(frame.f_code)
+        if reader is not None and (found := reader(frame.f_locals)) is not None:
+            return found
         block = blocks.get(id(frame))
-        if block is not None and (fence := block()) is not None:
-            return fence
+        if block is not None and (found := block()) is not None:
+            return found
     return None
 
 
-def _fence_of_holder_waiting(blocks: Mapping[int, Callable[[], int | None]]) -> int | None:
-    """The fence of the nearest task in a turn that waits for this task or thread."""
+def _of_holder_waiting(
+    readers: Mapping[CodeType, Callable[[Mapping[str, Any]], V | None]],
+    blocks: Mapping[int, Callable[[], V | None]],
+) -> V | None:
+    """What the nearest task in a turn that waits for this task or thread gives."""
     try:
         task = asyncio.current_task()
     except RuntimeError:  # no event loop in this thread
         task = None
     if task is not None:
-        return _fence_of_waiters(task, blocks)
+        return _of_waiters(readers, blocks, task)
     future = future_of_thread_work()
     if future is None:
         return None
     # The holder's frames and its queue's fence book belong to the loop's thread: read them
     # there. The loop is free (the holder awaits this very thread), so it answers at once.
     loop = future.get_loop()
-    answer: concurrent.futures.Future[int | None] = concurrent.futures.Future()
+    answer: concurrent.futures.Future[V | None] = concurrent.futures.Future()
 
     def look() -> None:
         try:
-            answer.set_result(_fence_of_waiters(future, blocks))
+            answer.set_result(_of_waiters(readers, blocks, future))
         except BaseException as exc:
             answer.set_exception(exc)
 
@@ -197,12 +216,14 @@ def _fence_of_holder_waiting(blocks: Mapping[int, Callable[[], int | None]]) -> 
     try:
         return answer.result(timeout=_LOOP_ANSWER_TIMEOUT)
     except concurrent.futures.TimeoutError:
-        raise RuntimeError("current_fence(): the event loop of the turn did not answer") from None
+        raise RuntimeError("keyserial: the event loop of the turn did not answer") from None
 
 
-def _fence_of_waiters(
-    awaited: object, blocks: Mapping[int, Callable[[], int | None]]
-) -> int | None:
+def _of_waiters(
+    readers: Mapping[CodeType, Callable[[Mapping[str, Any]], V | None]],
+    blocks: Mapping[int, Callable[[], V | None]],
+    awaited: object,
+) -> V | None:
     seen: set[int] = set()
     frontier = tasks_waiting_for(awaited)
     while frontier and len(seen) < MAX_DEPTH:
@@ -211,7 +232,7 @@ def _fence_of_waiters(
             continue
         seen.add(id(task))
         frames = [frame_of(coro) for coro in coroutine_chain(task)]
-        found = _fence_on_frames(reversed([f for f in frames if f is not None]), blocks)
+        found = _on_frames(readers, blocks, reversed([f for f in frames if f is not None]))
         if found is not None:
             return found
         frontier.extend(tasks_waiting_for(task))

@@ -4,36 +4,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from typing import cast
+
+from .._keycodec import MAX_KEY_DEPTH as MAX_KEY_DEPTH
+from .._keycodec import serialize_key
 
 #: Encoded keys longer than this are replaced by their SHA-256, so Redis key names stay short.
 MAX_ENCODED_KEY = 200
-#: Tuples in keys nest at most this deep.
-MAX_KEY_DEPTH = 32
-
-
-def _serialize(key: object, depth: int = 0) -> bytes:
-    if isinstance(key, str):
-        data = key.encode("utf-8", "surrogatepass")  # any str, lone surrogates included
-        return b"s%d:%s" % (len(data), data)
-    if isinstance(key, bytes):
-        return b"b%d:%s" % (len(key), key)
-    if isinstance(key, int):
-        try:
-            return b"i%d;" % key
-        except ValueError:  # more digits than int() may print: hexadecimal has no such limit
-            return b"x%s;" % format(key, "x").encode()
-    if isinstance(key, tuple):
-        if depth >= MAX_KEY_DEPTH:
-            raise ValueError(
-                f"RedisKeyedQueue keys are tuples nested at most {MAX_KEY_DEPTH} deep; "
-                "this key is nested deeper"
-            )
-        items = cast("tuple[object, ...]", key)
-        return b"t%d:" % len(items) + b"".join(_serialize(item, depth + 1) for item in items)
-    raise TypeError(
-        f"RedisKeyedQueue keys must be str, bytes, int or tuples of them, not {type(key).__name__}"
-    )
 
 
 def encode_key(key: object) -> str:
@@ -56,7 +32,7 @@ def encode_key(key: object) -> str:
 
         ```
     """
-    data = _serialize(key)
+    data = serialize_key(key, "RedisKeyedQueue")
     if len(data) > MAX_ENCODED_KEY:
         return "h" + hashlib.sha256(data).hexdigest()
     return "k" + base64.urlsafe_b64encode(data).decode().rstrip("=")

@@ -1,0 +1,44 @@
+"""Keys for the distributed backends: serialized with their type, so that distinct keys differ.
+
+The in-process queue takes any hashable key; a key that must mean the same in every
+process is serialized instead: ``"1"``, ``1``, ``b"1"`` and ``("1",)`` are four keys.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+#: Tuples in keys nest at most this deep.
+MAX_KEY_DEPTH = 32
+
+
+def serialize_key(key: object, backend: str, depth: int = 0) -> bytes:
+    """``key`` as bytes that say its type and length: distinct keys never serialize alike.
+
+    Raises:
+        TypeError: ``key`` is not a str, bytes, int or a tuple of them.
+        ValueError: tuples in ``key`` nest deeper than ``MAX_KEY_DEPTH``.
+    """
+    if isinstance(key, str):
+        data = key.encode("utf-8", "surrogatepass")  # any str, lone surrogates included
+        return b"s%d:%s" % (len(data), data)
+    if isinstance(key, bytes):
+        return b"b%d:%s" % (len(key), key)
+    if isinstance(key, int):
+        try:
+            return b"i%d;" % key
+        except ValueError:  # more digits than int() may print: hexadecimal has no such limit
+            return b"x%s;" % format(key, "x").encode()
+    if isinstance(key, tuple):
+        if depth >= MAX_KEY_DEPTH:
+            raise ValueError(
+                f"{backend} keys are tuples nested at most {MAX_KEY_DEPTH} deep; "
+                "this key is nested deeper"
+            )
+        items = cast("tuple[object, ...]", key)
+        return b"t%d:" % len(items) + b"".join(
+            serialize_key(item, backend, depth + 1) for item in items
+        )
+    raise TypeError(
+        f"{backend} keys must be str, bytes, int or tuples of them, not {type(key).__name__}"
+    )

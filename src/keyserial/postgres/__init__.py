@@ -1,0 +1,17 @@
+"""A keyed serial queue on PostgreSQL: the turn and the function's writes commit together.
+
+Extra: ``pip install ".[postgres]"`` (psycopg 3 and psycopg_pool). See
+[PostgresKeyedQueue][keyserial.postgres.PostgresKeyedQueue].
+
+The modules: ``_queue`` (the queue), ``_turns`` (a turn as a transaction holding advisory
+locks), ``_turn`` (the turn record and the session keeper), ``_lock`` (lock blocks),
+``_connection`` (``connection()``), ``_ids`` (keys to advisory-lock ids).
+"""
+
+from ._connection import connection
+from ._ids import lock_id
+from ._queue import MIN_LEASE as MIN_LEASE
+from ._queue import PostgresKeyedQueue
+from ._turns import PostgresUnavailable
+
+__all__ = ["PostgresKeyedQueue", "PostgresUnavailable", "connection", "lock_id"]

@@ -1,0 +1,246 @@
+"""``PostgresKeyedQueue``: the in-process order, with turns held by PostgreSQL transactions."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
+from typing import Any, ParamSpec, TypeVar
+
+from psycopg import sql
+from psycopg_pool import AsyncConnectionPool
+
+from .._fence import register_turn_code
+from .._protocols import KeyLock
+from .._queue import KeyedSerialQueue
+from .._stats import QueueStats
+from ._connection import register_turn_code as register_connection_code
+from ._ids import lock_id
+from ._lock import PostgresLock
+from ._turn import PgTurn
+from ._turns import PostgresTurns
+
+T = TypeVar("T")
+P = ParamSpec("P")
+Task = asyncio.Task[Any]
+
+#: The shortest lease accepted, in seconds.
+MIN_LEASE = 0.1
+
+
+class PostgresKeyedQueue:
+    """A keyed serial queue whose turns are PostgreSQL transactions holding advisory locks.
+
+    Calls with the same key, made in any process connected to the same database with the
+    same ``namespace``, run one at a time, granted in the order their waits reach the
+    server's lock manager, and within one process in registration order. A turn is a
+    transaction: it holds ``pg_advisory_xact_lock`` on the key, and the function's
+    statements on [connection][keyserial.postgres.connection] run in that same
+    transaction. They commit together with the end of the turn when the function returns,
+    and roll back when it raises or is cancelled. A holder whose process dies, stalls or
+    loses its connection cannot commit anything: its transaction is rolled back and its
+    locks released, by the server.
+
+    Only the first call of a key in a process waits in the database (the others wait in
+    the process, behind it), so a process uses one connection per key it is running or
+    waiting for. An uncontended call costs two round trips: ``BEGIN`` with the lock and
+    the fence in one, ``COMMIT``.
+
+    Args:
+        pool: the application's ``psycopg_pool.AsyncConnectionPool`` (connections in the
+            default, non-autocommit mode).
+        namespace: separates queues sharing one database; all processes of one queue must
+            use the same one. Keys map to advisory-lock ids by a 64-bit hash of the
+            namespace and the key.
+        lease: seconds a turn's transaction may sit idle before the server ends it
+            (``idle_in_transaction_session_timeout``, set for the turn): the longest a
+            stalled holder keeps its key. A live call is kept alive by a ``SELECT 1``
+            every third of it while it works outside the database.
+        max_pending: per-key bound on this process's running plus waiting calls.
+        table: the table of fence counters, created on first use if missing.
+        schema: the schema of ``table`` (by default the connection's search path).
+
+    Raises:
+        TypeError: ``pool`` is not a ``psycopg_pool.AsyncConnectionPool``, or
+            ``namespace`` is not a ``str``.
+        ValueError: ``namespace`` is empty, or ``lease`` is not a finite number of
+            seconds of at least ``MIN_LEASE``.
+
+    Example:
+        ```python
+        from psycopg_pool import AsyncConnectionPool
+        from keyserial import serialized
+        from keyserial.postgres import PostgresKeyedQueue, connection
+
+        pool = AsyncConnectionPool("postgresql://app@db/app", open=False)
+        queue = PostgresKeyedQueue(pool, namespace="transcripts")
+
+        @serialized(key="seg_id", queue=queue)
+        async def finalize(seg_id: str, text: str) -> None:
+            await connection().execute(
+                "UPDATE segment SET text = %s, state = 'final' WHERE id = %s", (text, seg_id)
+            )
+        ```
+    """
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        namespace: str,
+        lease: float = 10.0,
+        *,
+        max_pending: int | None = None,
+        table: str = "keyserial_fences",
+        schema: str | None = None,
+    ) -> None:
+        if not isinstance(pool, AsyncConnectionPool):
+            raise TypeError(
+                "PostgresKeyedQueue needs a psycopg_pool.AsyncConnectionPool, not "
+                f"{type(pool).__module__}.{type(pool).__qualname__}"
+            )
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
+        if not namespace:
+            raise ValueError("namespace must be a non-empty string")
+        if not (isinstance(lease, (int, float)) and math.isfinite(lease) and lease >= MIN_LEASE):
+            raise ValueError(
+                f"lease must be a finite number of seconds >= {MIN_LEASE}, got {lease!r}"
+            )
+        self._namespace = namespace
+        self._lease = float(lease)
+        self._local = KeyedSerialQueue(max_pending=max_pending)
+        name = sql.Identifier(table) if schema is None else sql.Identifier(schema, table)
+        self._turns = PostgresTurns(pool, name, self._lease)
+
+    @property
+    def lease(self) -> float:
+        """Seconds a turn's transaction may sit idle before the server ends it."""
+        return self._lease
+
+    def _id(self, key: Hashable) -> int:
+        return lock_id(self._namespace, key)
+
+    async def _turn(
+        self,
+        keys: tuple[int, ...],
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        deadline: float | None,
+    ) -> T:
+        """Run ``fn`` in a transaction holding ``keys`` (the process's own turn is held)."""
+        task: Task = asyncio.current_task()  # type: ignore[assignment]
+        turn, keeper = await self._turns.enter(task, keys, deadline)
+        try:
+            result = await fn(*args, **kwargs)
+        except BaseException:
+            await self._turns.leave(task, turn, keeper, failed=True)
+            raise
+        await self._turns.leave(task, turn, keeper, failed=False)
+        return result
+
+    def run(
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Coroutine[Any, Any, T]:
+        """Run ``await fn(*args, **kwargs)`` in a transaction holding ``key``'s turn.
+
+        The function's statements on [connection][keyserial.postgres.connection] commit
+        when it returns, and roll back when it raises or is cancelled.
+
+        Raises:
+            TypeError: ``key`` is not a str, bytes, int or a tuple of them.
+            PostgresUnavailable: the database could not be reached, or the turn's
+                transaction could not be committed (nothing of it was kept).
+            DeadlockError: PostgreSQL broke a cycle of turns waiting for each other.
+            QueueClosed, QueueFull: as for [KeyedSerialQueue][keyserial.KeyedSerialQueue].
+        """
+        return self.call(key, fn, args, kwargs)
+
+    async def call(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+        group: Hashable | None = None,
+    ) -> T:
+        """``run`` with a bound on the wait for the turn (in the process and in the database).
+
+        On expiry the built-in ``TimeoutError`` is raised, ``fn`` never starts, and the
+        server-side wait is cancelled (``lock_timeout``).
+
+        Raises:
+            ValueError: ``group`` is given (coalescing is in-process only).
+            TimeoutError: the turn did not come within ``timeout`` seconds.
+            TypeError, PostgresUnavailable, DeadlockError, QueueClosed, QueueFull: as
+                for ``run``.
+        """
+        if group is not None:
+            raise ValueError("PostgresKeyedQueue does not coalesce: group= is in-process only")
+        keys = (self._id(key),)
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        return await self._local.call(
+            keys[0], self._turn, (keys, fn, args, kwargs, deadline), {}, timeout
+        )
+
+    def submit(
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> asyncio.Task[T]:
+        """Start ``run`` as a new task, registered in this process before returning."""
+        keys = (self._id(key),)
+        return self._local.submit(keys[0], self._turn, keys, fn, args, kwargs, None)
+
+    async def run_all(
+        self,
+        keys: Iterable[Hashable],
+        fn: Callable[P, Awaitable[T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """Run ``fn`` in one transaction holding the turns of all ``keys``.
+
+        In the process, the call registers on every key in one step; in the database, the
+        locks are taken in ascending order of their ids, so calls naming the same keys in
+        different orders cannot deadlock each other.
+
+        Raises:
+            ValueError: ``keys`` is empty.
+            TypeError, PostgresUnavailable, DeadlockError, QueueClosed, QueueFull: as for
+                ``run``.
+        """
+        ids = tuple(dict.fromkeys(self._id(key) for key in keys))
+        return await self._local.run_all(ids, self._turn, ids, fn, args, kwargs, None)
+
+    def lock(self, key: Hashable, timeout: float | None = None) -> KeyLock:
+        """Hold ``key``'s turn, and its transaction, for the body of an ``async with`` block."""
+        keys = (self._id(key),)
+        return PostgresLock(self._turns, self._local.lock(keys[0], timeout), keys, timeout)
+
+    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
+        """Hold the turns of all ``keys`` in one transaction for an ``async with`` block."""
+        ids = tuple(dict.fromkeys(self._id(key) for key in keys))
+        return PostgresLock(self._turns, self._local.lock_all(ids, timeout), ids, timeout)
+
+    def stats(self) -> QueueStats:
+        """This process's share of the queue, as for ``KeyedSerialQueue.stats``."""
+        return self._local.stats()
+
+    async def join(self) -> None:
+        """Wait until this process has no registered work."""
+        await self._local.join()
+
+    async def aclose(self) -> None:
+        """Refuse new work here and wait for the registered work (the pool stays open)."""
+        await self._local.aclose()
+
+
+def _turn_fence(frame: Mapping[str, Any]) -> int | None:
+    turn = frame.get("turn")
+    return turn.fence if isinstance(turn, PgTurn) else None
+
+
+_TURN_CODE = PostgresKeyedQueue._turn.__code__  # pyright: ignore[reportPrivateUsage]
+register_turn_code(_TURN_CODE, _turn_fence)
+register_connection_code(_TURN_CODE)

@@ -1,0 +1,248 @@
+"""Taking and ending turns in PostgreSQL: one transaction holds a turn's advisory locks.
+
+A turn begins with one round trip, in pipeline mode: ``BEGIN``, the session settings of the
+turn (``SET LOCAL``), ``pg_advisory_xact_lock`` for each key in ascending order, and the
+fence counter bumped in the same transaction. It ends with ``COMMIT`` (the call returned)
+or ``ROLLBACK`` (it raised or was cancelled), which also releases the locks: there is no
+release to send, and nothing to forget when the process dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import AsyncConnection, sql
+from psycopg.pq import TransactionStatus
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from .._errors import DeadlockError
+from ._turn import PgTurn, SessionKeeper
+
+Task = asyncio.Task[Any]
+
+logger = logging.getLogger("keyserial")
+
+#: The advisory lock taken while the fence table is created (by whichever process is first).
+_SCHEMA_LOCK = 0x6B65797365726961  # "keyseria"
+
+
+class PostgresUnavailable(ConnectionError):
+    """PostgreSQL could not be reached, or the connection broke; the call did not complete.
+
+    Nothing of the call's transaction was committed. Once the server is back, the queue
+    works again without being recreated.
+
+    Example:
+        ```pycon
+        >>> issubclass(PostgresUnavailable, ConnectionError)
+        True
+
+        ```
+    """
+
+
+def _milliseconds(seconds: float) -> str:
+    return f"{max(1, int(seconds * 1000))}ms"
+
+
+class PostgresTurns:
+    """Turns of one queue's keys, as transactions on connections of the application's pool."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any], table: sql.Composable, lease: float) -> None:
+        self.pool = pool
+        self.table = table
+        self.lease = lease
+        self.table_ready = False
+        #: task -> the turn it holds: a call of that task for another key locks it in the
+        #: same transaction; for a key it holds, it runs inline.
+        self.held: dict[Task, PgTurn] = {}
+        self.bump = sql.SQL(
+            "INSERT INTO {table} AS f (lock_id, fence) VALUES (%s, 1) "
+            "ON CONFLICT (lock_id) DO UPDATE SET fence = f.fence + 1 RETURNING fence"
+        ).format(table=table)
+
+    async def _create_table(self, connection: AsyncConnection[Any]) -> None:
+        async with connection.transaction():
+            await connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+            await connection.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {table} "
+                    "(lock_id bigint PRIMARY KEY, fence bigint NOT NULL)"
+                ).format(table=self.table)
+            )
+        self.table_ready = True
+
+    async def begin(
+        self, keys: Sequence[int], deadline: float | None, loop: asyncio.AbstractEventLoop
+    ) -> PgTurn:
+        """Take a connection and lock ``keys`` (ascending) in a new transaction.
+
+        Raises:
+            TimeoutError: the deadline passed (waiting for a connection or for the locks).
+            DeadlockError: PostgreSQL's deadlock detector chose this wait.
+            PostgresUnavailable: the server could not be reached, or the connection broke.
+        """
+        wait = None if deadline is None else deadline - loop.time()
+        if wait is not None and wait <= 0:
+            raise TimeoutError("timed out waiting for the turn")
+        try:
+            connection = await self.pool.getconn(timeout=wait)
+        except PoolTimeout as exc:
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError("timed out waiting for a connection for the turn") from exc
+            raise PostgresUnavailable(f"no PostgreSQL connection: {exc}") from exc
+        except psycopg.OperationalError as exc:
+            raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
+        try:
+            if not self.table_ready:
+                await self._create_table(connection)
+            return await self._lock(connection, keys, deadline, loop)
+        except BaseException:
+            await self._discard(connection)
+            raise
+
+    async def extend(
+        self,
+        turn: PgTurn,
+        keys: Sequence[int],
+        deadline: float | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> int:
+        """Lock more ``keys`` in ``turn``'s transaction (a nested call); their first fence."""
+        fence = await self._statements(turn.connection, keys, deadline, loop, begin=False)
+        turn.keys.update(keys)
+        return fence
+
+    async def _lock(
+        self,
+        connection: AsyncConnection[Any],
+        keys: Sequence[int],
+        deadline: float | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> PgTurn:
+        fence = await self._statements(connection, keys, deadline, loop, begin=True)
+        return PgTurn(connection, fence, set(keys))
+
+    async def _statements(
+        self,
+        connection: AsyncConnection[Any],
+        keys: Sequence[int],
+        deadline: float | None,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        begin: bool,
+    ) -> int:
+        lock_timeout = "0"  # wait as long as it takes
+        if deadline is not None:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError("timed out waiting for the turn")
+            lock_timeout = _milliseconds(left)
+        try:
+            # One round trip: BEGIN (implicit in the first statement), settings, locks, fences.
+            async with connection.pipeline():
+                if begin:
+                    await connection.execute(
+                        "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
+                        (_milliseconds(self.lease),),
+                    )
+                await connection.execute(
+                    "SELECT set_config('lock_timeout', %s, true)", (lock_timeout,)
+                )
+                for key in sorted(keys):
+                    await connection.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
+                await connection.execute("SET LOCAL lock_timeout TO DEFAULT")
+                fences = [await connection.execute(self.bump, (key,)) for key in keys]
+            first = await fences[0].fetchone()
+        except psycopg.errors.LockNotAvailable as exc:
+            raise TimeoutError("timed out waiting for the turn") from exc
+        except psycopg.errors.DeadlockDetected as exc:
+            raise DeadlockError(
+                f"deadlock: PostgreSQL broke a cycle of transactions waiting for each other "
+                f"({exc})",
+                keys=list(keys),
+                tasks=[],
+            ) from exc
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
+        assert first is not None
+        return int(first[0])
+
+    async def commit(self, turn: PgTurn) -> None:
+        """End the turn: commit its transaction (the locks go with it), give the connection back.
+
+        Raises:
+            PostgresUnavailable: the commit did not go through (the session was ended or the
+                connection broke): nothing of the turn was kept.
+        """
+        connection = turn.connection
+        try:
+            await connection.commit()
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            await self._discard(connection)
+            raise PostgresUnavailable(
+                f"the turn's transaction could not be committed: {exc}"
+            ) from exc
+        except BaseException:
+            await self._discard(connection)
+            raise
+        await self.pool.putconn(connection)
+
+    async def rollback(self, turn: PgTurn) -> None:
+        """End the turn without keeping its writes; never raises (a broken session is dropped)."""
+        await self._discard(turn.connection)
+
+    async def _discard(self, connection: AsyncConnection[Any]) -> None:
+        """Roll back whatever is open and give the connection back (the pool drops a broken one).
+
+        Shielded: a caller cancelled again meanwhile must not leave the connection out of
+        its pool, nor its transaction open.
+        """
+        await asyncio.shield(self._roll_back_and_return(connection))
+
+    async def _roll_back_and_return(self, connection: AsyncConnection[Any]) -> None:
+        with contextlib.suppress(Exception):
+            if connection.pgconn.transaction_status != TransactionStatus.IDLE:
+                await connection.rollback()
+        with contextlib.suppress(Exception):
+            await self.pool.putconn(connection)
+
+    async def enter(
+        self, task: Task, keys: Sequence[int], deadline: float | None
+    ) -> tuple[PgTurn, SessionKeeper | None]:
+        """``task``'s turn of ``keys``, and its keeper (None: it runs inside an outer turn)."""
+        loop = asyncio.get_running_loop()
+        outer = self.held.get(task)
+        if outer is not None:
+            missing = [key for key in keys if key not in outer.keys]
+            if not missing:  # re-entry: the outer turn holds every key
+                return outer, None
+            fence = await self.extend(outer, missing, deadline, loop)
+            return PgTurn(outer.connection, fence, outer.keys), None  # commits with the outer
+        turn = await self.begin(keys, deadline, loop)
+        self.held[task] = turn
+        return turn, SessionKeeper(turn.connection, self.lease)
+
+    async def leave(
+        self, task: Task, turn: PgTurn, keeper: SessionKeeper | None, failed: bool
+    ) -> None:
+        """End a turn ``enter`` gave: commit it, or roll it back if its call ``failed``.
+
+        A turn inside an outer one (``keeper`` None) ends with the outer turn.
+
+        Raises:
+            PostgresUnavailable: the commit did not go through; nothing of the turn was kept.
+        """
+        if keeper is None:
+            return
+        del self.held[task]
+        await keeper.stop()
+        if failed:
+            await self.rollback(turn)
+        else:
+            await self.commit(turn)

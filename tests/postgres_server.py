@@ -1,0 +1,125 @@
+"""PostgreSQL for the tests: a private database on a running server, or a private cluster.
+
+Most tests need only a database of their own: one is created on the server at
+``KEYSERIAL_TEST_POSTGRES`` (a DSN; by default the local server on 127.0.0.1:5432) and
+dropped afterwards. The restart test needs a server it may stop: ``PrivateCluster`` runs
+``initdb`` and ``postgres`` (as the ``postgres`` user when run as root) on a free port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Generator
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def server_dsn() -> str:
+    return os.environ.get("KEYSERIAL_TEST_POSTGRES", DEFAULT_DSN)
+
+
+def _unavailable(message: str) -> None:
+    """A missing server is a failure under CI=true, a skip elsewhere."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def with_database(dsn: str, database: str) -> str:
+    return make_conninfo(dsn, dbname=database)
+
+
+@contextlib.contextmanager
+def private_database() -> Generator[str, None, None]:
+    """A new database on the test server, dropped afterwards; yields its DSN."""
+    admin_dsn = server_dsn()
+    try:
+        admin = psycopg.connect(admin_dsn, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        _unavailable(f"no PostgreSQL server at {admin_dsn} (set KEYSERIAL_TEST_POSTGRES): {exc}")
+        raise AssertionError("unreachable") from exc
+    name = f"keyserial_test_{secrets.token_hex(6)}"
+    with admin:
+        database = sql.Identifier(name)
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(database))
+        # Deadlocks are found after deadlock_timeout (1 s by default): faster for the tests.
+        admin.execute(sql.SQL("ALTER DATABASE {} SET deadlock_timeout = '100ms'").format(database))
+        try:
+            yield with_database(admin_dsn, name)
+        finally:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(database))
+
+
+def postgres_binaries() -> str:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if not found and shutil.which("initdb"):
+        found = [shutil.which("initdb") or ""]
+    if not found:
+        _unavailable("initdb is not installed (apt-get install postgresql)")
+    return os.path.dirname(found[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class PrivateCluster:
+    """A PostgreSQL cluster of the test's own, which it may stop and start again."""
+
+    def __init__(self) -> None:
+        self.bin = postgres_binaries()
+        self.directory = tempfile.mkdtemp(prefix="keyserial-pg-")
+        self.data = os.path.join(self.directory, "data")
+        self.port = free_port()
+        self.as_root = os.geteuid() == 0
+        if self.as_root:  # initdb refuses to run as root
+            shutil.chown(self.directory, "postgres", "postgres")
+        self._run("initdb", "-D", self.data, "-A", "trust", "-U", "postgres", "--no-sync")
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, tool: str, *args: str) -> None:
+        command = [os.path.join(self.bin, tool), *args]
+        if self.as_root:
+            command = ["runuser", "-u", "postgres", "--", *command]
+        subprocess.run(command, check=True, capture_output=True, timeout=120)
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=off"
+        log = os.path.join(self.directory, "log")
+        self._run("pg_ctl", "-D", self.data, "-o", options, "-l", log, "-w", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self._run("pg_ctl", "-D", self.data, "-m", mode, "-w", "stop")
+
+    def wait_until_up(self, seconds: float = 30) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                psycopg.connect(self.dsn, connect_timeout=1).close()
+                return
+            except psycopg.OperationalError:
+                time.sleep(0.05)
+        raise RuntimeError("the private PostgreSQL cluster did not come up")
+
+    def close(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.directory, ignore_errors=True)
