@@ -7,6 +7,7 @@ import math
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
+import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
@@ -18,7 +19,7 @@ from ._connection import register_turn_code as register_connection_code
 from ._ids import lock_id
 from ._lock import PostgresLock
 from ._turn import PgTurn
-from ._turns import PostgresTurns
+from ._turns import PostgresTurns, PostgresUnavailable
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -133,8 +134,12 @@ class PostgresKeyedQueue:
         turn, keeper = await self._turns.enter(task, keys, deadline)
         try:
             result = await fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             await self._turns.leave(task, turn, keeper, failed=True)
+            if isinstance(exc, psycopg.OperationalError) and turn.connection.broken:
+                # The server ended the session (restart, stall past the lease, network):
+                # nothing of the turn was committed.
+                raise PostgresUnavailable(f"the turn's connection was lost: {exc}") from exc
             raise
         await self._turns.leave(task, turn, keeper, failed=False)
         return result
