@@ -264,3 +264,26 @@ async def test_a_database_that_is_down_fails_calls_clearly() -> None:
     with pytest.raises(PostgresUnavailable):
         await queue.run("k", work)
     await pool.close()
+
+
+async def test_an_uncontended_call_takes_the_lock_and_begin_in_one_round_trip(
+    pools: Pools, tmp_path: Any
+) -> None:
+    pool = await pools(min_size=1, max_size=1)
+    queue = PostgresKeyedQueue(pool, namespace="t")
+
+    async def work() -> None:
+        await connection().execute("SELECT 1")
+
+    await queue.run("warm-up", work)  # the fence table exists
+    trace = tmp_path / "trace"
+    with trace.open("w") as handle:
+        async with pool.connection() as conn:
+            conn.pgconn.trace(handle.fileno())
+        await queue.run("k", work)
+        async with pool.connection() as conn:
+            conn.pgconn.untrace()
+    sent = [line.split("\t")[3] for line in trace.read_text().splitlines() if "\tF\t" in line]
+    waits = [message for message in sent if message in ("Sync", "Query")]
+    # BEGIN + settings + lock + fence (one Sync), the function's statement, COMMIT.
+    assert waits == ["Sync", "Query", "Query"], sent

@@ -61,6 +61,8 @@ class PostgresTurns:
         #: task -> the turn it holds: a call of that task for another key locks it in the
         #: same transaction; for a key it holds, it runs inline.
         self.held: dict[Task, PgTurn] = {}
+        #: The autocommit setting each lent connection had in the pool, restored on return.
+        self.autocommit: dict[int, bool] = {}
         self.bump = sql.SQL(
             "INSERT INTO {table} AS f (lock_id, fence) VALUES (%s, 1) "
             "ON CONFLICT (lock_id) DO UPDATE SET fence = f.fence + 1 RETURNING fence"
@@ -144,9 +146,16 @@ class PostgresTurns:
                 raise TimeoutError("timed out waiting for the turn")
             lock_timeout = _milliseconds(left)
         try:
-            # One round trip: BEGIN (implicit in the first statement), settings, locks, fences.
+            if begin:
+                # The turn sends BEGIN itself, in the pipeline: psycopg's implicit BEGIN would
+                # cost a round trip of its own. Autocommit is a local setting, restored when
+                # the connection goes back to the pool.
+                self.autocommit[id(connection)] = connection.autocommit
+                await connection.set_autocommit(True)
+            # One round trip: BEGIN, the turn's settings, the locks, the fences.
             async with connection.pipeline():
                 if begin:
+                    await connection.execute("BEGIN")
                     await connection.execute(
                         "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
                         (_milliseconds(self.lease),),
@@ -182,7 +191,7 @@ class PostgresTurns:
         """
         connection = turn.connection
         try:
-            await connection.commit()
+            await connection.execute("COMMIT")
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             await self._discard(connection)
             raise PostgresUnavailable(
@@ -191,6 +200,7 @@ class PostgresTurns:
         except BaseException:
             await self._discard(connection)
             raise
+        await connection.set_autocommit(self.autocommit.pop(id(connection), False))
         await self.pool.putconn(connection)
 
     async def rollback(self, turn: PgTurn) -> None:
@@ -208,7 +218,9 @@ class PostgresTurns:
     async def _roll_back_and_return(self, connection: AsyncConnection[Any]) -> None:
         with contextlib.suppress(Exception):
             if connection.pgconn.transaction_status != TransactionStatus.IDLE:
-                await connection.rollback()
+                await connection.execute("ROLLBACK")
+        with contextlib.suppress(Exception):
+            await connection.set_autocommit(self.autocommit.pop(id(connection), False))
         with contextlib.suppress(Exception):
             await self.pool.putconn(connection)
 

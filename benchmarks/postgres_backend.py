@@ -1,0 +1,227 @@
+"""The PostgreSQL backend against the hand-written recipes, in one run, on a private database.
+
+    python -m benchmarks.postgres_backend            # full sizes
+    python -m benchmarks.postgres_backend --quick    # tiny sizes, for CI smoke runs
+
+Measures, side by side: uncontended latency (sequential calls on distinct keys, each
+writing one row in its turn), round trips per uncontended call (counted from libpq's
+protocol trace: one per Sync or simple Query the client sends), and same-key hand-off
+throughput with four processes taking turns on one key. The recipes:
+
+* ``pg_advisory_lock`` around the work: lock, write, unlock (a session lock: the write
+  commits on its own, so a holder that stalls can still write after losing nothing);
+* ``SELECT ... FOR UPDATE`` on the key's row, in a transaction with the write.
+
+Uses the PostgreSQL at KEYSERIAL_TEST_POSTGRES (by default the local one), in a database
+of its own that it drops afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import secrets
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from psycopg_pool import AsyncConnectionPool
+
+from keyserial.postgres import PostgresKeyedQueue, connection, lock_id
+
+from .report import environment
+
+LIBRARIES = ("keyserial PostgresKeyedQueue", "pg_advisory_lock recipe", "SELECT FOR UPDATE recipe")
+DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS item (key text PRIMARY KEY, value bigint NOT NULL DEFAULT 0);
+"""
+
+Turn = Callable[[str, Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]], Awaitable[None]]
+
+
+async def _write(conn: psycopg.AsyncConnection[Any], key: str) -> None:
+    await conn.execute(
+        "INSERT INTO item (key, value) VALUES (%s, 1) "
+        "ON CONFLICT (key) DO UPDATE SET value = item.value + 1",
+        (key,),
+    )
+
+
+async def _one(
+    library: str, pool: AsyncConnectionPool[Any], queue: PostgresKeyedQueue, key: str
+) -> None:
+    """One call on ``key`` that writes its row, the way ``library`` does it."""
+    if library == LIBRARIES[0]:
+
+        async def work() -> None:
+            await _write(connection(), key)
+
+        await queue.run(key, work)
+        return
+    async with pool.connection() as conn:
+        if library == LIBRARIES[1]:
+            await conn.set_autocommit(True)
+            await conn.execute("SELECT pg_advisory_lock(%s)", (lock_id("bench", key),))
+            try:
+                await _write(conn, key)
+            finally:
+                await conn.execute("SELECT pg_advisory_unlock(%s)", (lock_id("bench", key),))
+                await conn.set_autocommit(False)
+        else:
+            async with conn.transaction():
+                await conn.execute(
+                    "INSERT INTO item (key) VALUES (%s) ON CONFLICT DO NOTHING", (key,)
+                )
+                await conn.execute("SELECT 1 FROM item WHERE key = %s FOR UPDATE", (key,))
+                await _write(conn, key)
+
+
+def _count_round_trips(trace: Path) -> int:
+    """Messages that wait for the server: Sync (extended protocol) and Query (simple)."""
+    count = 0
+    for line in trace.read_text().splitlines():
+        fields = line.split("\t")
+        if len(fields) > 2 and fields[1] == "F" and fields[3:4] in (["Sync"], ["Query"]):
+            count += 1
+    return count
+
+
+async def _uncontended(dsn: str, library: str, calls: int, trace: Path | None) -> float:
+    """Seconds for ``calls`` sequential uncontended calls on distinct keys."""
+    async with AsyncConnectionPool(dsn, min_size=1, max_size=1, open=False) as pool:
+        queue = PostgresKeyedQueue(pool, namespace="bench")
+        await _one(library, pool, queue, "warm-up")
+        handle = None
+        if trace is not None:
+            async with pool.connection() as conn:
+                handle = trace.open("w")
+                conn.pgconn.trace(handle.fileno())
+        start = time.perf_counter()
+        for i in range(calls):
+            await _one(library, pool, queue, f"u{i}")
+        elapsed = time.perf_counter() - start
+        if handle is not None:
+            async with pool.connection() as conn:
+                conn.pgconn.untrace()
+            handle.close()
+        return elapsed
+
+
+def _hand_off_worker(
+    dsn: str, library: str, turns: int, barrier: Any, times: Any, index: int
+) -> None:
+    async def main() -> None:
+        async with AsyncConnectionPool(dsn, min_size=1, max_size=2, open=False) as pool:
+            queue = PostgresKeyedQueue(pool, namespace="bench")
+            await _one(library, pool, queue, "warm-up")
+            barrier.wait()
+            for turn in range(turns):
+                times[index * turns + turn] = time.monotonic()
+                await _one(library, pool, queue, "ball")
+            times[len(times) - 1 - index] = time.monotonic()
+
+    asyncio.run(main())
+
+
+def _hand_off(dsn: str, library: str, processes: int, turns: int) -> float:
+    """Turns per second, four processes taking turns on one key."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(processes)
+    shared = context.Array("d", processes * turns + processes, lock=False)
+    workers = [
+        context.Process(target=_hand_off_worker, args=(dsn, library, turns, barrier, shared, i))
+        for i in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=600)
+    if any(worker.exitcode != 0 for worker in workers):
+        raise RuntimeError(f"a {library} hand-off worker failed")
+    times: list[float] = list(shared)
+    elapsed = max(times[processes * turns :]) - min(times[: processes * turns])
+    return processes * turns / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.postgres_backend")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for CI smoke runs")
+    parser.add_argument("--markdown", type=Path, help="also write the report to this file")
+    options = parser.parse_args()
+    calls, turns, repeats = (30, 20, 1) if options.quick else (2000, 300, 5)
+    processes = 4
+    admin_dsn = os.environ.get("KEYSERIAL_TEST_POSTGRES", DEFAULT_DSN)
+    name = f"keyserial_bench_{secrets.token_hex(4)}"
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    dsn = make_conninfo(admin_dsn, dbname=name)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(SCHEMA)
+        round_trips: dict[str, float] = {}
+        with tempfile.TemporaryDirectory() as directory:
+            for library in LIBRARIES:
+                trace = Path(directory) / "trace"
+                asyncio.run(_uncontended(dsn, library, calls, trace))
+                round_trips[library] = _count_round_trips(trace) / calls
+        samples: dict[str, list[float]] = {library: [] for library in LIBRARIES}
+        rates: dict[str, list[float]] = {library: [] for library in LIBRARIES}
+        for _ in range(repeats):
+            for library in LIBRARIES:
+                seconds = asyncio.run(_uncontended(dsn, library, calls, None))
+                samples[library].append(seconds / calls)
+            for library in LIBRARIES:
+                rates[library].append(_hand_off(dsn, library, processes, turns))
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as admin:
+            admin.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+    latency = {library: statistics.median(values) for library, values in samples.items()}
+    throughput = {library: statistics.median(values) for library, values in rates.items()}
+    rows = {
+        "uncontended µs/call": {n: f"{latency[n] * 1e6:,.0f}" for n in LIBRARIES},
+        "round trips/call": {n: f"{round_trips[n]:.1f}" for n in LIBRARIES},
+        "hand-off turns/s": {n: f"{throughput[n]:,.0f}" for n in LIBRARIES},
+        "FIFO in a process, writes in the turn's transaction": {
+            n: "yes" if n == LIBRARIES[0] else ("no" if n == LIBRARIES[1] else "yes")
+            for n in LIBRARIES
+        },
+    }
+    lines = [
+        f"Environment: {environment()}, PostgreSQL on loopback",
+        f"Command: `python -m benchmarks.postgres_backend{' --quick' if options.quick else ''}`",
+        "",
+        f"### PostgreSQL backend: {calls:,} uncontended calls, each writing a row; "
+        f"{processes} processes x {turns:,} turns on one key",
+        "",
+        "| | " + " | ".join(LIBRARIES) + " |",
+        "|---|" + "---:|" * len(LIBRARIES),
+        *(
+            f"| {measure} | " + " | ".join(values[n] for n in LIBRARIES) + " |"
+            for measure, values in rows.items()
+        ),
+        "",
+        f"Medians of {repeats} interleaved runs. Round trips are counted from libpq's protocol "
+        "trace of the uncontended calls (each Sync or simple Query waits for the server); the "
+        "keyserial call sends BEGIN, its settings, the lock and the fence in one pipelined "
+        "round trip, the function's statement, and COMMIT.",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if options.markdown:
+        options.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
