@@ -173,7 +173,8 @@ def _hand_off(dsn: str, library: str, processes: int, turns: int) -> float:
     shared = context.Array("d", processes * turns + processes, lock=False)
     workers = [
         context.Process(
-            target=_hand_off_worker, args=(dsn, redis_port_of_run, library, turns, barrier, shared, i)
+            target=_hand_off_worker,
+            args=(dsn, redis_port_of_run, library, turns, barrier, shared, i),
         )
         for i in range(processes)
     ]
