@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.util
 import subprocess
 import sys
@@ -166,3 +167,20 @@ async def test_fastapi_app_closes_its_queue_on_shutdown() -> None:
     async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
         refused = await _put(client, "/segments/a", "after shutdown")
     assert refused.status_code == 503 and refused.json()["detail"] == "shutting down"
+
+
+@pytest.mark.timeout(180)
+def test_postgres_transcripts_stale_rows_without_keyserial_none_with_the_check(
+    postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Imported under its own name: its worker processes (spawned) import it again by name.
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    example: Any = importlib.import_module("postgres_transcripts")
+    results = {mode: example.run(postgres_dsn, mode, 40, 7) for mode in example.MODES}
+    assert results["unserialized"]["stale"] > 0
+    assert results["revision check"]["stale"] == 0
+    assert results["revision check"]["refused"] > 0
+    assert results["@serialized"]["refused"] == 0  # no check: nothing refused, nothing wasted
+    # Serialized, the check only refuses the few writes overtaken across processes.
+    assert results["@serialized + check"]["stale"] == 0
+    assert results["@serialized + check"]["refused"] < results["revision check"]["refused"]
