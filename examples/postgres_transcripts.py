@@ -69,15 +69,17 @@ async def _work(dsn: str, mode: str, inbox: Any, ready: Any) -> None:
 
         async def write(conn: psycopg.AsyncConnection[Any], update: Update) -> None:
             seg_id, revision, stage, _ = update
-            checked = mode in ("revision check", "@serialized + check")
-            guard = "AND revision < %s" if checked else "AND %s IS NOT NULL"
-            cursor = await conn.execute(
-                sql.SQL(
+            if mode in ("revision check", "@serialized + check"):  # refuse an older revision
+                query = (
                     "UPDATE segment SET stage = %s, revision = %s, writes = writes + 1 "
-                    "WHERE id = %s " + guard  # type: ignore[arg-type]
-                ),
-                (stage, revision, seg_id, revision),
-            )
+                    "WHERE id = %s AND revision < %s"
+                )
+            else:
+                query = (
+                    "UPDATE segment SET stage = %s, revision = %s, writes = writes + 1 "
+                    "WHERE id = %s AND %s IS NOT NULL"
+                )
+            cursor = await conn.execute(query, (stage, revision, seg_id, revision))
             if cursor.rowcount == 0:
                 await conn.execute(
                     "UPDATE segment SET refused = refused + 1 WHERE id = %s", (seg_id,)
