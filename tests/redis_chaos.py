@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import os
 import random
 import signal
@@ -55,6 +56,13 @@ SLACK = 5.0
 # -- the worker -----------------------------------------------------------------------------
 
 
+def dump_tasks() -> None:
+    print(f"--- tasks of worker {os.getpid()} ---", file=sys.stderr)
+    for task in asyncio.all_tasks():
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
+
+
 async def work(
     coordinator: str, store: str, log_path: str, seed: int, keys: int, lease: float
 ) -> None:
@@ -71,6 +79,9 @@ async def work(
     pid = os.getpid()
     stopping = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
+    # A worker that does not drain is asked, with SIGUSR1, where each of its tasks waits.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
+    faulthandler.register(signal.SIGUSR2)  # and with SIGUSR2, where its thread is stuck
 
     def record(*fields: object) -> None:
         os.write(log, (" ".join(map(str, fields)) + "\n").encode())
@@ -120,6 +131,7 @@ class Report:
     overlaps: list[str] = field(default_factory=list[str])
     lost_writes: list[str] = field(default_factory=list[str])
     hung: list[str] = field(default_factory=list[str])
+    stacks: list[str] = field(default_factory=list[str])  # of workers that did not drain
 
     def problems(self) -> list[str]:
         return self.overlaps + self.lost_writes + self.hung
@@ -129,7 +141,7 @@ class Report:
             f"{self.calls} calls, {self.turns} turns, outcomes {dict(self.outcomes)}, "
             f"faults {dict(self.faults)}: {len(self.overlaps)} overlapping turns outside a "
             f"lost lease, {len(self.lost_writes)} fenced writes lost, {len(self.hung)} calls "
-            "hung past their bound"
+            "hung past their bound" + "".join(f"\n{stack}" for stack in self.stacks)
         )
 
 
@@ -228,9 +240,23 @@ class Chaos:
                 process.wait(timeout=bound)
             except subprocess.TimeoutExpired:
                 self.report.hung.append(f"worker {process.pid} did not drain")
+                self.report.stacks.append(self.stacks_of(process))
             else:
                 if process.returncode != 0:
                     self.report.hung.append(f"worker {process.pid} exited {process.returncode}")
+
+    def stacks_of(self, process: subprocess.Popen[bytes]) -> str:
+        """Where a worker that does not drain is stuck: its tasks, else its thread."""
+        self.errors.flush()
+        before = (self.directory / "stderr").stat().st_size
+        process.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        if (self.directory / "stderr").stat().st_size == before:  # the loop itself is stuck
+            process.send_signal(signal.SIGUSR2)
+            time.sleep(1.0)
+        with (self.directory / "stderr").open("rb") as errors:
+            errors.seek(before)
+            return errors.read().decode(errors="replace")
 
     def stopped_during(self, pid: int, start: int, end: int) -> int:
         return sum(max(0, min(end, b) - max(start, a)) for a, b in self.stopped.get(pid, []))
