@@ -318,3 +318,73 @@ async def test_a_never_awaited_call_names_the_decorated_function() -> None:
     with pytest.warns(RuntimeWarning, match=r"coroutine '.*save_partial' was never awaited"):
         save_partial("a")  # type: ignore[unused-coroutine]
         gc.collect()
+
+
+class _Base:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @serialized(key="seg_id")
+    async def save(self, seg_id: str) -> str:
+        return f"{self.name}:{seg_id}"
+
+
+class _Child(_Base):
+    async def save(self, seg_id: str) -> str:  # the override reaches the serialized one
+        return "child+" + await super().save(seg_id)
+
+
+class _Slotted:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @serialized(key="seg_id")
+    async def save(self, seg_id: str) -> str:
+        return f"{self.name}:{seg_id}"
+
+
+async def test_bound_methods_behave_as_python_methods() -> None:
+    import copy
+
+    service = targets.Service("b")
+    bound = service.method
+    assert getattr(bound, "__self__") is service  # noqa: B009
+    assert bound == service.method
+    assert bound.__name__ == "method"
+    assert bound.__qualname__ == "Service.method"
+    assert repr(bound).startswith("<bound method Service.method of ")
+    assert str(inspect.signature(bound)) == "(seg_id: 'str') -> 'str'"
+    assert inspect.iscoroutinefunction(bound)
+    assert getattr(bound, "__wrapped__").__qualname__ == "Service.method"  # noqa: B009
+    assert await copy.copy(bound)("c") == "b:c"
+    assert await copy.deepcopy(bound)("d") == "b:d"
+    assert await _Child("x").save("s") == "child+x:s"
+    assert await _Slotted("y").save("s") == "y:s"
+    assert await _Base.save(_Base("z"), "s") == "z:s"  # through the class, as wrapt binds
+
+
+async def test_bound_methods_are_keyed_and_ordered_like_functions() -> None:
+    queue = KeyedSerialQueue()
+    log: list[str] = []
+    gate = asyncio.Event()
+
+    class Segments:
+        @serialized(key="seg_id", queue=queue)
+        async def save(self, seg_id: str, text: str) -> None:
+            log.append(f"start {seg_id} {text}")
+            if text == "partial":
+                await gate.wait()
+            log.append(f"end {seg_id} {text}")
+
+    segments = Segments()
+    first = asyncio.create_task(segments.save("a", "partial"))
+    second = asyncio.create_task(segments.save(seg_id="a", text="final"))
+    other = asyncio.create_task(Segments.save(segments, "b", "other"))
+    await settle()
+    assert log == ["start a partial", "start b other", "end b other"]
+    assert queue.pending("a") == 2
+    gate.set()
+    await asyncio.gather(first, second, other)
+    assert log[3:] == ["end a partial", "start a final", "end a final"]
