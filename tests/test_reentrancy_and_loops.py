@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import warnings
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -219,3 +221,37 @@ def test_under_trio_the_error_says_keyserial_needs_asyncio() -> None:
 
     for message in trio.run(under_trio):
         assert "keyserial needs an asyncio event loop, but this code runs under trio" in message
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+@pytest.mark.asyncio
+async def test_a_child_forked_inside_a_running_loop_runs_on_its_own_loop() -> None:
+    # The child keeps the parent's loop object, marked as running in a thread with the
+    # child's thread id: the queue must still find the child's own loop and tasks.
+    queue = KeyedSerialQueue()
+    log: list[str] = []
+
+    async def step(name: str) -> None:
+        log.append(f"start {name}")
+        await asyncio.sleep(0)
+        log.append(f"end {name}")
+
+    await queue.run("k", step, "parent")  # the parent's loop is the queue's last one used
+    log.clear()
+
+    async def in_child() -> list[str]:
+        await asyncio.gather(queue.run("k", step, "a"), queue.run("k", step, "b"))
+        return log
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded process
+        pid = os.fork()
+    if pid == 0:  # the child: report through the exit code only
+        code = 3
+        try:
+            ordered = asyncio.run(in_child()) == ["start a", "end a", "start b", "end b"]
+            code = 0 if ordered else 2
+        finally:
+            os._exit(code)
+    _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

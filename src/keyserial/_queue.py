@@ -8,6 +8,7 @@ registration and hand-off in ``_share``, several keys in ``_multikey``, lock blo
 from __future__ import annotations
 
 import asyncio
+from _thread import get_ident
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -155,14 +156,16 @@ class KeyedSerialQueue(MultiKeyCalls):
             ```
         """
         timeout = None
-        try:
-            loop = get_running_loop()
-        except RuntimeError:
-            raise no_event_loop() from None
         share = self._shares.cached
-        if share.loop is not loop:
-            share = self._shares.of(loop)
-        task = task_of(loop)
+        loop = share.loop
+        if not share.by_thread or loop._thread_id != get_ident():  # type: ignore[union-attr]
+            try:
+                loop = get_running_loop()
+            except RuntimeError:
+                raise no_event_loop() from None
+            if share.loop is not loop:
+                share = self._shares.of(loop)
+        task = task_of(loop)  # type: ignore[arg-type]  # a share with by_thread has a loop
         if task is None:
             raise outside_task()
         holders = share.holders
@@ -239,14 +242,16 @@ class KeyedSerialQueue(MultiKeyCalls):
         """
         if timeout is not None:
             check_timeout(timeout)
-        try:
-            loop = get_running_loop()
-        except RuntimeError:
-            raise no_event_loop() from None
         share = self._shares.cached
-        if share.loop is not loop:
-            share = self._shares.of(loop)
-        task = task_of(loop)
+        loop = share.loop
+        if not share.by_thread or loop._thread_id != get_ident():  # type: ignore[union-attr]
+            try:
+                loop = get_running_loop()
+            except RuntimeError:
+                raise no_event_loop() from None
+            if share.loop is not loop:
+                share = self._shares.of(loop)
+        task = task_of(loop)  # type: ignore[arg-type]  # a share with by_thread has a loop
         if task is None:
             raise outside_task()
         holders = share.holders

@@ -90,7 +90,9 @@ class LoopShare:
     """One event loop's share of a queue: the key table and single-key hand-off."""
 
     __slots__ = (
+        "__weakref__",
         "attention",
+        "by_thread",
         "closed",
         "counts",
         "detect_deadlocks",
@@ -107,6 +109,8 @@ class LoopShare:
         count_calls: bool = False,
     ) -> None:
         self.loop = loop
+        # Whether the hot path may find this loop by its thread (see LoopShares.of).
+        self.by_thread = False
         #: key -> the task holding its turn, or its KeyState once contended.
         self.holders: dict[Hashable, Task | KeyState] = {}
         self.closed = False
