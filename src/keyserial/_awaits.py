@@ -172,6 +172,12 @@ def _completes(callback: Any) -> Iterator[Any]:
             yield from getattr(callback, "args", ())[:1]
 
 
+def woken_by(future: Any) -> Iterator[Any]:
+    """What finishing the asyncio ``future`` wakes directly: tasks, futures, or None."""
+    for callback in _callbacks(future):
+        yield from _completes(callback)
+
+
 def tasks_waiting_for(future: Any) -> list[asyncio.Task[Any]]:
     """The tasks that wait, directly or through asyncio helpers, for ``future`` to finish."""
     found: list[asyncio.Task[Any]] = []

@@ -9,6 +9,7 @@ from contextvars import Token
 from types import TracebackType
 from typing import Any
 
+from ._deadlock import block_entered, block_left, register_registrant_code
 from ._fence import enter_lock_block, exit_lock_block
 from ._loops import LoopShares
 from ._share import LoopShare, closed_error, key_error
@@ -68,6 +69,7 @@ class TurnLock:
                 return  # re-entry: the outer turn stays in charge of releasing
             await share.await_turn(key, waiter, task)
         self._share, self._task = share, task
+        block_entered(task)
         owner = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the block's coroutine
         self._fence_token = enter_lock_block(owner, lambda: share.fence_for((key,)))
 
@@ -80,8 +82,12 @@ class TurnLock:
         share, task = self._share, self._task
         if share is not None and task is not None:
             self._share = self._task = None
+            block_left(task)
             if self._fence_token is not None:
                 exit_lock_block(self._fence_token)
                 self._fence_token = None
             share.counts.end(exc)
             share.leave(self._key, task)
+
+
+register_registrant_code(TurnLock.__aenter__.__code__)

@@ -16,7 +16,14 @@ from contextvars import Token
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from ._deadlock import check_later, check_no_cycle, register_entry_code
+from ._deadlock import (
+    block_entered,
+    block_left,
+    check_later,
+    check_no_cycle,
+    register_entry_code,
+    register_registrant_code,
+)
 from ._errors import QueueClosed, QueueFull
 from ._fence import enter_lock_block, exit_lock_block, register_turn_code
 from ._inspection import QueueShares
@@ -197,6 +204,7 @@ class TurnsLock:
         share, task = self._shares.running()
         registration = await acquire_all(share, task, self._keys, self._timeout, self._max_pending)
         self._held = (share, task, registration)
+        block_entered(task)
         owner = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the block's coroutine
         self._fence_token = enter_lock_block(owner, lambda: share.fence_for(registration.keys))
 
@@ -209,6 +217,7 @@ class TurnsLock:
         if self._held is not None:
             share, task, registration = self._held
             self._held = None
+            block_left(task)
             if self._fence_token is not None:
                 exit_lock_block(self._fence_token)
                 self._fence_token = None
@@ -302,3 +311,4 @@ def _multi_key_fence(frame: Mapping[str, Any]) -> int | None:
 
 register_turn_code(MultiKeyCalls.run_all.__code__, _multi_key_fence)
 register_entry_code(MultiKeyCalls.run_all.__code__)
+register_registrant_code(acquire_all.__code__)
