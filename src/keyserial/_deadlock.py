@@ -42,7 +42,7 @@ from ._awaits import (
     woken_by,
 )
 from ._errors import DeadlockError
-from ._records import KeyHolders, Waiter
+from ._records import KeyHolders, MultiWaiter, Waiter
 
 Task = asyncio.Task[Any]
 
@@ -138,16 +138,13 @@ class _Search:
         if asyncio.isfuture(node) and node.done():
             return []
         if type(node) is Waiter:
-            edges: list[tuple[Any, Label]] = []
-            for key in node.keys:
-                holder = node.share.holding_task(key)
-                if holder is not None:
-                    edges.append((holder, ("key", key)))
-            return edges
+            return _key_edges(node, (node.key,))
+        if type(node) is MultiWaiter:
+            return _key_edges(node, node.keys)
         wait: Wait | None
         if is_task(node):
             awaited = getattr(node, "_fut_waiter", None)
-            if type(awaited) is Waiter:
+            if type(awaited) is Waiter or type(awaited) is MultiWaiter:
                 return [(awaited, ("", None))]
             wait = waits_of_task(node)
             if wait is None and node is not self.target and is_running(node):
@@ -177,6 +174,16 @@ class _Search:
             if not found:
                 return []
         return [(pending[0], label)]
+
+
+def _key_edges(waiter: Waiter, keys: Sequence[Hashable]) -> list[tuple[Any, Label]]:
+    """A key's waiter waits for the key's holder."""
+    edges: list[tuple[Any, Label]] = []
+    for key in keys:
+        holder = waiter.share.holding_task(key)
+        if holder is not None:
+            edges.append((holder, ("key", key)))
+    return edges
 
 
 def find_cycle(

@@ -29,7 +29,7 @@ from ._fence import enter_lock_block, exit_lock_block, register_turn_code
 from ._inspection import QueueShares
 from ._loops import LoopShares
 from ._protocols import KeyLock
-from ._records import KeyState, MultiRegistration, MultiTurn, new_waiter
+from ._records import KeyState, MultiRegistration, MultiTurn, new_multi_waiter
 from ._share import LoopShare, expire, key_error, safe_repr
 
 Task = asyncio.Task[Any]
@@ -87,7 +87,7 @@ def register_all(
     busy = tuple(key for key in needed if share.holder_of(key) is not None)
     recheck = bool(busy) and share.detect_deadlocks and check_no_cycle(share, task, busy)
     loop: asyncio.AbstractEventLoop = share.loop  # type: ignore[assignment]
-    turn = MultiTurn(new_waiter(loop, share, busy), task)
+    turn = MultiTurn(new_multi_waiter(loop, share, busy), task)
     for key in needed:
         held = holders.get(key)
         if held is None:

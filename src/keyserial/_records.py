@@ -37,19 +37,36 @@ class Waiter(asyncio.Future[Any]):
     follows a blocked task's ``_fut_waiter`` to it, so waiting costs no extra bookkeeping.
     """
 
-    __slots__ = ("keys", "share", "since", "timer")
+    __slots__ = ("key", "share", "since", "timer")
     since: float  # when the call registered, on the loop's clock
     share: KeyHolders  # whose keys
-    keys: tuple[Hashable, ...]  # the keys it waits for
+    key: Hashable  # the key it waits for (the key itself: a 1-tuple would cost 48 bytes)
     timer: asyncio.TimerHandle | None  # bounds the wait, if it has a timeout
 
 
-def new_waiter(
-    loop: asyncio.AbstractEventLoop, share: KeyHolders, keys: tuple[Hashable, ...]
-) -> Waiter:
+class MultiWaiter(Waiter):
+    """What a call waiting for several keys awaits (``MultiTurn.future``)."""
+
+    __slots__ = ("keys",)
+    keys: tuple[Hashable, ...]  # the keys it waits for
+
+
+def new_waiter(loop: asyncio.AbstractEventLoop, share: KeyHolders, key: Hashable) -> Waiter:
     waiter = Waiter(loop=loop)
     waiter.since = loop.time()
     waiter.share = share
+    waiter.key = key
+    waiter.timer = None
+    return waiter
+
+
+def new_multi_waiter(
+    loop: asyncio.AbstractEventLoop, share: KeyHolders, keys: tuple[Hashable, ...]
+) -> MultiWaiter:
+    waiter = MultiWaiter(loop=loop)
+    waiter.since = loop.time()
+    waiter.share = share
+    waiter.key = None
     waiter.keys = keys
     waiter.timer = None
     return waiter
@@ -60,7 +77,7 @@ class MultiTurn:
 
     __slots__ = ("future", "missing", "since", "task")
 
-    def __init__(self, future: Waiter, task: Task) -> None:
+    def __init__(self, future: MultiWaiter, task: Task) -> None:
         self.future = future
         self.task = task
         self.missing = 0  # keys still to be handed to it

@@ -222,10 +222,10 @@ class LoopShare:
         state.pending += 1
         if state.holder is None:
             state.holder = GRANTED
-            waiter = new_waiter(loop, self, (key,))
+            waiter = new_waiter(loop, self, key)
             waiter.set_result(True)
             return waiter
-        waiter = new_waiter(loop, self, (key,))
+        waiter = new_waiter(loop, self, key)
         state.waiters.append(waiter)
         if group is not None:
             if replaced is not None:
