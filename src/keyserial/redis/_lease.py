@@ -35,7 +35,17 @@ class LeaseKeeper:
     a Redis that does not answer by then has let the lease expire, and the turn is lost.
     """
 
-    __slots__ = ("expires", "lease", "loop", "renew", "renewal", "task", "timer", "turn")
+    __slots__ = (
+        "expires",
+        "lease",
+        "loop",
+        "renew",
+        "renewal",
+        "stopped",
+        "task",
+        "timer",
+        "turn",
+    )
 
     def __init__(self, turn: Turn, task: Task, lease: float, renew: Renew) -> None:
         self.turn = turn
@@ -45,6 +55,7 @@ class LeaseKeeper:
         self.loop = asyncio.get_running_loop()
         self.expires = self.loop.time() + lease
         self.renewal: Task | None = None
+        self.stopped = False
         self.timer = self.loop.call_later(lease / 3, self._due)
 
     def expired(self) -> bool:
@@ -60,6 +71,12 @@ class LeaseKeeper:
             renewed: bool | None = await self.renew(self.turn, self.expires)
         except (RedisUnavailable, TimeoutError):
             renewed = None  # not confirmed: the lease may still hold
+        if self.stopped:
+            # The call ended while the renewal was out. Cancelling the renewal is not
+            # enough to know that: a renewal whose own deadline fired in the same loop
+            # iteration turns that cancellation into its TimeoutError. The task has moved
+            # on, and interrupting it now would hit whatever it does next.
+            return
         if renewed:
             self.expires = asked + self.lease
         if renewed or (renewed is None and not self.expired()):
@@ -71,6 +88,8 @@ class LeaseKeeper:
         self.task.cancel(msg="keyserial: lease lost")
 
     def stop(self) -> None:
+        """The call ended: renew no more, and never interrupt the task again."""
+        self.stopped = True
         self.timer.cancel()
         if self.renewal is not None:
             self.renewal.cancel()
