@@ -134,7 +134,12 @@ async def decorated(calls: int, repeats: int) -> Table:
     return table
 
 
-async def contended(adapters: Sequence[Adapter], calls: int, repeats: int) -> list[Table]:
+async def contended(
+    adapters: Sequence[Adapter],
+    calls: int,
+    repeats: int,
+    key_counts: Sequence[int] = (1, 100, 10_000),
+) -> list[Table]:
     """Gather many calls over few or many keys; the fn either yields once or returns at once.
 
     When fn returns at once, every call finishes within its task's first step, so no
@@ -146,7 +151,7 @@ async def contended(adapters: Sequence[Adapter], calls: int, repeats: int) -> li
         (yield_once, "each yields once", ""),
         (noop, "each returns at once", "-noop"),
     ):
-        for key_count in (1, 100, 10_000):
+        for key_count in key_counts:
             keys = [i % key_count for i in range(calls)]
 
             def gathered(adapter: Adapter, keys: list[int] = keys, fn: Any = fn) -> Variant:
@@ -155,7 +160,20 @@ async def contended(adapters: Sequence[Adapter], calls: int, repeats: int) -> li
 
                 return Variant(adapter.name, run, adapter.reset)
 
-            seconds = await interleave([gathered(a) for a in adapters], repeats)
+            def floor(keys: list[int] = keys, fn: Any = fn) -> Variant:
+                async def woken_twice() -> None:
+                    await asyncio.sleep(0)  # the hand-off's wake-up, and nothing else
+                    await fn()
+
+                async def run() -> None:
+                    await asyncio.gather(*(woken_twice() for _ in keys))
+
+                return Variant(FLOOR, run)
+
+            variants = [gathered(a) for a in adapters]
+            if fn is yield_once:
+                variants.append(floor())
+            seconds = await interleave(variants, repeats)
             tables.append(
                 Table(
                     f"contended-{key_count}{fn_id}",
@@ -165,6 +183,67 @@ async def contended(adapters: Sequence[Adapter], calls: int, repeats: int) -> li
                 )
             )
     return tables
+
+
+#: The contended floor: a bare gather whose calls are each woken once more, as a call that
+#: waits for its turn must be.
+FLOOR = "bare await + one extra wake-up (floor)"
+
+
+async def deadlock_chain(waiters: int, lengths: Sequence[int], repeats: int) -> Table:
+    """What registering behind a chain of blocked holders costs, by the chain's length.
+
+    Holder 1 holds key 1 and waits for key 2, held by holder 2, and so on; the last one
+    waits on an event. ``waiters`` calls then queue for key 1, each checked for a cycle.
+    The timed part is their registration (one step of each new task); building and
+    releasing the chain is not timed.
+    """
+    import statistics
+    import time
+
+    samples: dict[int, list[float]] = {length: [] for length in lengths}
+    for repeat in range(repeats + 1):  # the first round warms up
+        order = lengths if repeat % 2 == 0 else list(reversed(lengths))
+        for length in order:
+            queue = KeyedSerialQueue()
+            release = asyncio.Event()
+            holders: list[asyncio.Future[Any]] = []
+            holders.append(asyncio.ensure_future(queue.run(length, release.wait)))
+            await asyncio.sleep(0)
+            for key in range(length - 1, 0, -1):
+
+                async def wait_for_next(key: int, queue: KeyedSerialQueue = queue) -> None:
+                    await queue.run(key + 1, noop)
+
+                holders.append(asyncio.ensure_future(queue.run(key, wait_for_next, key)))
+                await asyncio.sleep(0)
+            gc.collect()
+            gc.disable()
+            try:
+                start = time.perf_counter()
+                tasks = [asyncio.ensure_future(queue.run(1, noop)) for _ in range(waiters)]
+                await asyncio.sleep(0)  # every task registers in its first step
+                took = time.perf_counter() - start
+            finally:
+                gc.enable()
+            assert queue.pending(1) == waiters + 1
+            release.set()
+            await asyncio.gather(*holders, *tasks)
+            if repeat:
+                samples[length].append(took)
+    values = {
+        f"chain of {length:,}": statistics.median(samples[length]) / waiters * 1e9
+        for length in lengths
+    }
+    table = Table(
+        "deadlock-chain",
+        f"Deadlock check: {waiters:,} calls queued behind a chain of blocked holders",
+        "ns/registration",
+        values,
+        reference=f"chain of {lengths[0]:,}",
+    )
+    table.notes.append("each registration includes creating and first stepping its task")
+    return table
 
 
 async def multi_key(calls: int, repeats: int) -> list[Table]:
