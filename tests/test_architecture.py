@@ -117,7 +117,10 @@ def test_the_deadlock_walk_imports_only_records_and_helpers() -> None:
         "keyserial._records",
         "keyserial._awaits",
         "keyserial._errors",
+        "keyserial._reach",
     }
+    reach = "keyserial._reach"
+    assert imports_of(reach, found[reach], set(found)) <= {"keyserial._awaits"}
 
 
 def _code_lines(node: ast.ClassDef, source: list[str]) -> int:

@@ -25,13 +25,10 @@ creator has suspended, see `check_later`.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Callable, Hashable, Sequence
-from types import FrameType
 from typing import Any
 
 from ._awaits import (
-    MAX_DEPTH,
     Wait,
     coroutine_chain,
     frame_of,
@@ -39,9 +36,9 @@ from ._awaits import (
     is_task,
     waits_of_future,
     waits_of_task,
-    woken_by,
 )
 from ._errors import DeadlockError
+from ._reach import LATER, register_holding_code, unreachable
 from ._records import KeyHolders, MultiWaiter, Waiter
 
 Task = asyncio.Task[Any]
@@ -51,48 +48,21 @@ _MAX_ANY_DEPTH = 4
 
 #: Nodes the forward walk visits before the check tries `unreachable` instead.
 _FORWARD_BUDGET = 8
-#: Nodes `unreachable` visits before it gives up (and the forward walk runs in full).
-_BACKWARD_BUDGET = 32
 
 #: Returned by `find_cycle` when a task on the way is in the middle of a step.
 UNDECIDED = "undecided"
 #: Returned by `find_cycle` when it visited its budget of nodes without an answer.
 EXHAUSTED = "exhausted"
 
-_COROUTINE_FLAGS = 0x80 | 0x100 | 0x200  # CO_COROUTINE, CO_ITERABLE_COROUTINE, CO_ASYNC_GENERATOR
-
 #: Code objects of keyserial's own coroutines that run a caller's function ``fn``; a task
 #: running one is named after that function in messages.
 _entry_codes: set[Any] = set()
-#: Code objects of every keyserial coroutine that registers for keys or holds them while it
-#: runs: the entry codes, and the registering ones of lock blocks and multi-key calls.
-_holding_codes: set[Any] = set()
-#: Tasks inside ``lock()``/``lock_all()`` blocks, with how many: a block has no frame of its
-#: own on its task's await chain (it may even belong to a suspended async generator).
-_block_holders: dict[Task, int] = {}
 
 
 def register_entry_code(code: Any) -> None:
     """Name tasks whose coroutine runs ``code`` after the ``fn`` it calls."""
     _entry_codes.add(code)
-    _holding_codes.add(code)
-
-
-def register_registrant_code(code: Any) -> None:
-    """Declare that a frame running ``code`` registers for keys, and may hold some meanwhile."""
-    _holding_codes.add(code)
-
-
-def block_entered(task: Task) -> None:
-    """``task`` now holds keys for a lock block."""
-    _block_holders[task] = _block_holders.get(task, 0) + 1
-
-
-def block_left(task: Task) -> None:
-    """``task`` left a lock block it entered with `block_entered`."""
-    left = _block_holders.pop(task, 1) - 1
-    if left:
-        _block_holders[task] = left
+    register_holding_code(code)
 
 
 Label = tuple[str, Any]  # ("key", key) or ("await", how), or ("", None) for no label
@@ -202,105 +172,6 @@ def find_cycle(
         if search.exhausted:
             return EXHAUSTED
     return UNDECIDED if search.undecided else None
-
-
-#: What `unreachable` answers when the running task was started eagerly by a task still in
-#: the middle of its step: nothing can be said until that step ends.
-LATER = "later"
-
-
-def unreachable(task: Task, holders: Sequence[Task | None], running: bool) -> bool | str:
-    """Whether nothing can lead from ``holders`` back to ``task``: True, False if unsure,
-    or LATER.
-
-    A path to ``task`` ends either with a key that ``task``, or a task awaiting it, holds,
-    or with waits only, from a holder awaiting it. So when neither ``task`` nor anything
-    that awaits it (directly or through asyncio helpers, followed backwards through done
-    callbacks) holds a key or is a holder, there is no path, however long the chain of
-    holders is. Holding is read conservatively: any keyserial turn or registration on a
-    task's await chain (but the one registering now), an open lock block, an await chain
-    that cannot be read to its end, or a task in the middle of a step all count as "might
-    hold". ``running``: ``task`` is the task registering now, else it is suspended in its
-    registration.
-    """
-    if running:
-        own = _stack_holds_nothing(task)
-        if own is not True:
-            return own
-    elif not _suspended_holds_nothing(task, registering=True):
-        return False
-    targets = {id(holder) for holder in holders if holder is not None}
-    seen = {id(task)}
-    frontier = list(woken_by(task))
-    while frontier:
-        node = frontier.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if len(seen) > _BACKWARD_BUDGET or id(node) in targets:
-            return False
-        if is_task(node) and not _suspended_holds_nothing(node):
-            return False
-        if asyncio.isfuture(node):
-            frontier.extend(woken_by(node))
-    return True
-
-
-def _stack_holds_nothing(task: Task) -> bool | str:
-    """Whether the running ``task``, registering now, holds no key: True, False if unsure,
-    or LATER if another task is in the middle of the step that started it."""
-    if task in _block_holders:
-        return False
-    outermost = frame_of(task.get_coro())
-    registrant_seen = False
-    frame: FrameType | None = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]
-    while frame is not None:
-        if frame.f_code in _holding_codes:
-            if registrant_seen:  # the innermost one is the call registering now
-                return False
-            registrant_seen = True
-        if frame is outermost:
-            break
-        frame = frame.f_back
-    if frame is None:
-        return False  # the task's own frames are not where they should be: unsure
-    # Below a task's frames there is only the loop, unless another task is in the middle
-    # of a step that started this one eagerly: its waits are not settled yet.
-    frame = frame.f_back
-    while frame is not None:
-        if frame.f_code.co_flags & _COROUTINE_FLAGS:
-            return LATER
-        frame = frame.f_back
-    return True
-
-
-def _suspended_holds_nothing(task: Task, registering: bool = False) -> bool:
-    """Whether the suspended ``task`` holds no key (False if unsure); ``registering``: it
-    waits in a registration of its own, which holds nothing yet."""
-    if task.done():
-        return True
-    if task in _block_holders or is_running(task):
-        return False
-    allowed = 1 if registering else 0  # holding frames: only the innermost may register
-    coro: Any = task.get_coro()
-    for _ in range(MAX_DEPTH):
-        frame = frame_of(coro)
-        if frame is None:
-            return False
-        if frame.f_code in _holding_codes:
-            allowed -= 1
-            if allowed < 0:
-                return False
-        inner = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-        if inner is None:
-            return True  # suspended at a bare yield: this is the whole chain
-        if frame_of(inner) is None:
-            # The chain ends awaiting a future; anything else (an async generator's
-            # asend, a custom awaitable) may hide frames further in.
-            waiter = getattr(task, "_fut_waiter", None)
-            return waiter is not None and type(inner) is type(waiter.__await__())
-        coro = inner
-    return False
 
 
 def may_wait_on_someone(holder: Task) -> bool:

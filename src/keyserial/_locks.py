@@ -9,9 +9,9 @@ from contextvars import Token
 from types import TracebackType
 from typing import Any
 
-from ._deadlock import block_entered, block_left, register_registrant_code
 from ._fence import enter_lock_block, exit_lock_block
 from ._loops import LoopShares
+from ._reach import block_entered, block_left, register_holding_code
 from ._share import LoopShare, closed_error, key_error
 
 Task = asyncio.Task[Any]
@@ -90,4 +90,4 @@ class TurnLock:
             share.leave(self._key, task)
 
 
-register_registrant_code(TurnLock.__aenter__.__code__)
+register_holding_code(TurnLock.__aenter__.__code__)

@@ -16,19 +16,13 @@ from contextvars import Token
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from ._deadlock import (
-    block_entered,
-    block_left,
-    check_later,
-    check_no_cycle,
-    register_entry_code,
-    register_registrant_code,
-)
+from ._deadlock import check_later, check_no_cycle, register_entry_code
 from ._errors import QueueClosed, QueueFull
 from ._fence import enter_lock_block, exit_lock_block, register_turn_code
 from ._inspection import QueueShares
 from ._loops import LoopShares
 from ._protocols import KeyLock
+from ._reach import block_entered, block_left, register_holding_code
 from ._records import KeyState, MultiRegistration, MultiTurn, new_multi_waiter
 from ._share import LoopShare, expire, key_error, safe_repr
 
@@ -311,4 +305,4 @@ def _multi_key_fence(frame: Mapping[str, Any]) -> int | None:
 
 register_turn_code(MultiKeyCalls.run_all.__code__, _multi_key_fence)
 register_entry_code(MultiKeyCalls.run_all.__code__)
-register_registrant_code(acquire_all.__code__)
+register_holding_code(acquire_all.__code__)
