@@ -37,11 +37,17 @@ class Waiter(asyncio.Future[Any]):
     follows a blocked task's ``_fut_waiter`` to it, so waiting costs no extra bookkeeping.
     """
 
-    __slots__ = ("key", "share", "since", "timer")
+    __slots__ = ("key", "share", "since")
     since: float  # when the call registered, on the loop's clock
     share: KeyHolders  # whose keys
     key: Hashable  # the key it waits for (the key itself: a 1-tuple would cost 48 bytes)
-    timer: asyncio.TimerHandle | None  # bounds the wait, if it has a timeout
+
+
+class TimedWaiter(Waiter):
+    """What a call with a ``timeout`` awaits: the timer is a slot only such waiters pay for."""
+
+    __slots__ = ("timer",)
+    timer: asyncio.TimerHandle  # ends the wait with False when it fires
 
 
 class MultiWaiter(Waiter):
@@ -56,7 +62,16 @@ def new_waiter(loop: asyncio.AbstractEventLoop, share: KeyHolders, key: Hashable
     waiter.since = loop.time()
     waiter.share = share
     waiter.key = key
-    waiter.timer = None
+    return waiter
+
+
+def new_timed_waiter(
+    loop: asyncio.AbstractEventLoop, share: KeyHolders, key: Hashable
+) -> TimedWaiter:
+    waiter = TimedWaiter(loop=loop)
+    waiter.since = loop.time()
+    waiter.share = share
+    waiter.key = key
     return waiter
 
 
@@ -68,7 +83,6 @@ def new_multi_waiter(
     waiter.share = share
     waiter.key = None
     waiter.keys = keys
-    waiter.timer = None
     return waiter
 
 

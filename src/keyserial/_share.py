@@ -22,7 +22,17 @@ from ._awaits import is_running, is_task
 from ._deadlock import check_later, check_no_cycle
 from ._errors import BrokenKeyError, QueueClosed, QueueFull, Superseded
 from ._fence import FenceBook
-from ._records import GRANTED, NEW_TASK, KeyState, MultiTurn, Waiter, is_dead, new_waiter
+from ._records import (
+    GRANTED,
+    NEW_TASK,
+    KeyState,
+    MultiTurn,
+    TimedWaiter,
+    Waiter,
+    is_dead,
+    new_timed_waiter,
+    new_waiter,
+)
 from ._stats import Counts
 
 Task = asyncio.Task[Any]
@@ -225,7 +235,12 @@ class LoopShare:
             waiter = new_waiter(loop, self, key)
             waiter.set_result(True)
             return waiter
-        waiter = new_waiter(loop, self, key)
+        if timeout is None:
+            waiter = new_waiter(loop, self, key)
+        else:
+            # The timer never fires before the loop runs again, so setting it first is safe.
+            waiter = timed = new_timed_waiter(loop, self, key)
+            timed.timer = loop.call_later(timeout, expire, timed)
         state.waiters.append(waiter)
         if group is not None:
             if replaced is not None:
@@ -235,8 +250,6 @@ class LoopShare:
             if state.latest is None:
                 state.latest = {}
             state.latest[group] = waiter
-        if timeout is not None:
-            waiter.timer = loop.call_later(timeout, expire, waiter)
         if recheck:
             check_later(self, owner, (key,), waiter, waiter.set_result)  # type: ignore[arg-type]
         return waiter
@@ -254,7 +267,7 @@ class LoopShare:
 
     def take_turn(self, key: Hashable, waiter: Waiter, task: Task) -> None:
         """The wait ended: take the turn, or raise TimeoutError if the timer ended it."""
-        if waiter.timer is not None:
+        if type(waiter) is TimedWaiter:
             waiter.timer.cancel()
         if (outcome := waiter.result()) is not True and type(outcome) is BrokenKeyError:
             raise outcome
@@ -273,7 +286,7 @@ class LoopShare:
     def give_up(self, key: Hashable, waiter: Waiter) -> None:
         """The wait for the turn was interrupted (cancelled, or another BaseException)."""
         self.counts.cancelled += 1
-        if waiter.timer is not None:
+        if type(waiter) is TimedWaiter:
             waiter.timer.cancel()
         if _refused_for_broken_key(waiter):
             return  # the key's entry is gone already
