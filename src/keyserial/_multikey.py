@@ -23,8 +23,8 @@ from ._inspection import QueueShares
 from ._loops import LoopShares
 from ._protocols import KeyLock
 from ._reach import block_entered, block_left, register_holding_code
-from ._records import KeyState, MultiRegistration, MultiTurn, new_multi_waiter
-from ._share import LoopShare, expire, key_error, safe_repr
+from ._records import KeyState, MultiRegistration, MultiTurn, expire, new_multi_waiter
+from ._share import LoopShare, key_error, safe_repr
 
 Task = asyncio.Task[Any]
 T = TypeVar("T")

@@ -57,22 +57,26 @@ class MultiWaiter(Waiter):
     keys: tuple[Hashable, ...]  # the keys it waits for
 
 
-def new_waiter(loop: asyncio.AbstractEventLoop, share: KeyHolders, key: Hashable) -> Waiter:
-    waiter = Waiter(loop=loop)
+def new_waiter(
+    loop: asyncio.AbstractEventLoop, share: KeyHolders, key: Hashable, timeout: float | None
+) -> Waiter:
+    """A waiter for ``key``; with a timeout, a ``TimedWaiter`` whose timer is already set."""
+    if timeout is None:
+        waiter = Waiter(loop=loop)
+    else:
+        # The timer never fires before the loop runs again: setting it first is safe.
+        waiter = timed = TimedWaiter(loop=loop)
+        timed.timer = loop.call_later(timeout, expire, timed)
     waiter.since = loop.time()
     waiter.share = share
     waiter.key = key
     return waiter
 
 
-def new_timed_waiter(
-    loop: asyncio.AbstractEventLoop, share: KeyHolders, key: Hashable
-) -> TimedWaiter:
-    waiter = TimedWaiter(loop=loop)
-    waiter.since = loop.time()
-    waiter.share = share
-    waiter.key = key
-    return waiter
+def expire(future: asyncio.Future[Any]) -> None:
+    """A wait's timer fired: end the wait with False (timed out) unless it ended already."""
+    if not future.done():
+        future.set_result(False)
 
 
 def new_multi_waiter(

@@ -30,7 +30,6 @@ from ._records import (
     TimedWaiter,
     Waiter,
     is_dead,
-    new_timed_waiter,
     new_waiter,
 )
 from ._stats import Counts
@@ -42,6 +41,9 @@ Task = asyncio.Task[Any]
 COMPACT_SLACK = 32
 #: Only Python 3.12 and later start tasks eagerly (``eager_task_factory``).
 _EAGER_TASKS = sys.version_info >= (3, 12)
+#: Before 3.14 (``create_task(eager_start=True)``), a task starts eagerly only through a
+#: task factory such as ``eager_task_factory``.
+_EAGER_NEEDS_FACTORY = sys.version_info < (3, 14)
 
 
 def closed_error(key: Hashable) -> QueueClosed:
@@ -64,12 +66,6 @@ def key_error(key: object, error: Exception) -> TypeError:
     return TypeError(
         f"keyserial keys must be hashable and comparable; {safe_repr(key)} raised {error!r}"
     )
-
-
-def expire(future: asyncio.Future[Any]) -> None:
-    """A wait's timer fired: end the wait with False (timed out) unless it ended already."""
-    if not future.done():
-        future.set_result(False)
 
 
 def _refused_for_broken_key(waiter: Waiter) -> bool:
@@ -223,8 +219,15 @@ class LoopShare:
         if holder is not None and owner is not NEW_TASK and self.detect_deadlocks:
             # Walk only if the holder itself waits on something: usually it is running.
             blocking = holder.task if type(holder) is MultiTurn else holder
+            # A holder can be mid-step only if tasks start eagerly: the loop's task factory
+            # is read first because testing the holder costs ten times more.
             if getattr(blocking, "_fut_waiter", None) is not None or (
-                _EAGER_TASKS and is_task(blocking) and is_running(blocking)
+                _EAGER_TASKS
+                and (
+                    not _EAGER_NEEDS_FACTORY or self.loop.get_task_factory() is not None  # type: ignore[union-attr]
+                )
+                and is_task(blocking)
+                and is_running(blocking)
             ):
                 recheck = check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
         loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
@@ -232,15 +235,10 @@ class LoopShare:
         state.pending += 1
         if state.holder is None:
             state.holder = GRANTED
-            waiter = new_waiter(loop, self, key)
+            waiter = new_waiter(loop, self, key, None)
             waiter.set_result(True)
             return waiter
-        if timeout is None:
-            waiter = new_waiter(loop, self, key)
-        else:
-            # The timer never fires before the loop runs again, so setting it first is safe.
-            waiter = timed = new_timed_waiter(loop, self, key)
-            timed.timer = loop.call_later(timeout, expire, timed)
+        waiter = new_waiter(loop, self, key, timeout)
         state.waiters.append(waiter)
         if group is not None:
             if replaced is not None:

@@ -83,7 +83,7 @@ def submit(
     if holder is None:
         # The task may start eagerly inside create_task, so the turn is reserved first.
         share.holders[key] = KeyState(GRANTED, loop.time())
-        waiter: Waiter | None = new_waiter(loop, share, key)
+        waiter: Waiter | None = new_waiter(loop, share, key, None)
         waiter.set_result(True)  # type: ignore[union-attr]
     else:
         waiter = share.register(key, holder, NEW_TASK, None, max_pending)
