@@ -122,13 +122,15 @@ def _check_async(fn: Any, qualname: str) -> None:
         raise TypeError(f"@serialized needs an async def function; {qualname} is not one")
 
 
-def _make_extractor(key: str | Callable[..., Any] | None, fn: Any, qualname: str) -> KeyExtractor:
+def _make_extractor(
+    key: str | Callable[..., Any] | None, fn: Any, qualname: str, hashed: bool = True
+) -> KeyExtractor:
     if key is None:
         return constant_key(FunctionKey(qualname))
     if isinstance(key, str):
-        return key_from_parameter(_underlying_function(fn), key, qualname)
+        return key_from_parameter(_underlying_function(fn), key, qualname, hashed)
     if callable(key):
-        return key_from_function(key, _underlying_function(fn), qualname)
+        return key_from_function(key, _underlying_function(fn), qualname, hashed)
     raise TypeError(f"@serialized key must be a parameter name, a callable or None, got {key!r}")
 
 
@@ -153,16 +155,6 @@ def _serialize(
         return _serialize_multi(fn, keys, target, timeout, qualname)
     extract = _make_extractor(key, fn, qualname)
 
-    def key_of(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-        try:
-            call_key: Hashable = extract(instance, args, kwargs)
-            hash(call_key)
-        except ArgumentMismatch:
-            raise
-        except Exception as exc:
-            raise TypeError(f"{qualname}: could not get a hashable queue key: {exc}") from exc
-        return call_key
-
     call: Callable[..., Coroutine[Any, Any, Any]] = _named_after(target.call, qualname)
     # Calls of this function supersede each other's waiting calls, and no one else's.
     group = FunctionKey(qualname) if coalesce else None
@@ -173,13 +165,13 @@ def _serialize(
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Coroutine[Any, Any, Any]:
-        return call(key_of(instance, args, kwargs), wrapped, args, kwargs, timeout, group)
+        return call(extract(instance, args, kwargs), wrapped, args, kwargs, timeout, group)
 
     class SerializedFunction(_SerializedFunction):
         # A class per decorated function lets the unbound call path read what it needs from
         # this closure: attribute lookups on a wrapt proxy cost about 100 ns each.
         def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-            return call(key_of(None, args, kwargs), fn, args, kwargs, timeout, group)
+            return call(extract(None, args, kwargs), fn, args, kwargs, timeout, group)
 
         if isinstance(fn, types.FunctionType):
             __get__ = _bind_plain_method
@@ -198,7 +190,7 @@ def _serialize_multi(
     if not isinstance(target, MultiKeySerialQueue):
         raise TypeError(f"@serialized on {qualname}: keys= needs a queue with lock_all()")
     lock_all = target.lock_all
-    extract = _make_extractor(keys, fn, qualname)
+    extract = _make_extractor(keys, fn, qualname, hashed=False)
 
     def keys_of(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Hashable]:
         try:

@@ -1,7 +1,8 @@
 """Turning a decorated call's arguments into its queue key.
 
 Each extractor takes ``(instance, args, kwargs)`` as wrapt passes them and
-returns the key. The call's full positional arguments are ``args`` when
+returns the key, hashed once so that a key that cannot be hashed is a ``TypeError``
+naming the function as soon as it is called. The call's full positional arguments are ``args`` when
 ``instance`` is None, else ``(instance, *args)``; extractors index into that
 without building the tuple, because they run on every call.
 """
@@ -34,6 +35,11 @@ class FunctionKey:
         return f"<all calls of {self.qualname}>"
 
 
+def unhashable_key(qualname: str, error: Exception) -> TypeError:
+    """The error for a call whose key could not be computed or hashed."""
+    return TypeError(f"{qualname}: could not get a hashable queue key: {error}")
+
+
 def constant_key(key: Hashable) -> KeyExtractor:
     def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return key
@@ -42,9 +48,11 @@ def constant_key(key: Hashable) -> KeyExtractor:
 
 
 def key_from_function(
-    key_fn: Callable[..., Any], func: Callable[..., Any], qualname: str
+    key_fn: Callable[..., Any], func: Callable[..., Any], qualname: str, hashed: bool = True
 ) -> KeyExtractor:
     """Call ``key_fn`` with each call's arguments, once it is known to accept them.
+
+    With ``hashed=False`` (a collection of keys), what it returns is not hashed here.
 
     Raises:
         TypeError: ``key_fn`` cannot take the arguments ``func`` is called with.
@@ -52,9 +60,13 @@ def key_from_function(
     check_arity(key_fn, func, qualname)
 
     def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if instance is None:
-            return key_fn(*args, **kwargs)
-        return key_fn(instance, *args, **kwargs)
+        try:
+            key = key_fn(*args, **kwargs) if instance is None else key_fn(instance, *args, **kwargs)
+            if hashed:
+                hash(key)
+        except Exception as exc:
+            raise unhashable_key(qualname, exc) from exc
+        return key
 
     return extract
 
@@ -100,8 +112,12 @@ def check_arity(key_fn: Callable[..., Any], func: Callable[..., Any], qualname: 
             ) from None
 
 
-def key_from_parameter(func: Callable[..., Any], name: str, qualname: str) -> KeyExtractor:
+def key_from_parameter(
+    func: Callable[..., Any], name: str, qualname: str, hashed: bool = True
+) -> KeyExtractor:
     """Read parameter ``name`` of ``func`` from a call; its position is found here, once.
+
+    With ``hashed=False`` (a collection of keys), the value is not hashed here.
 
     Raises:
         ValueError: ``func`` has no parameter ``name``, or it is ``*args``/``**kwargs``.
@@ -125,12 +141,24 @@ def key_from_parameter(func: Callable[..., Any], name: str, qualname: str) -> Ke
     default = _MISSING if parameter.default is parameter.empty else parameter.default
 
     def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if position >= 0:
-            index = position if instance is None else position - 1
-            if index < 0:
-                return instance  # keyed by ``self``/``cls`` itself
-            if index < len(args):
-                return args[index]
+        # One function (no separate hashing step): it runs on every decorated call.
+        index = position if instance is None else position - 1
+        if position < 0:
+            key = _by_name(kwargs)
+        elif index < 0:
+            key = instance  # keyed by ``self``/``cls`` itself
+        elif index < len(args):
+            key = args[index]
+        else:
+            key = _by_name(kwargs)
+        if hashed:
+            try:
+                hash(key)
+            except Exception as exc:
+                raise unhashable_key(qualname, exc) from exc
+        return key
+
+    def _by_name(kwargs: dict[str, Any]) -> Any:
         if not positional_only and name in kwargs:
             return kwargs[name]
         if default is _MISSING:
