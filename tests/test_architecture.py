@@ -105,7 +105,7 @@ def test_no_import_cycle_inside_keyserial() -> None:
 
 def test_leaf_modules_import_nothing_of_keyserial() -> None:
     found = modules()
-    for leaf in ("_records", "_errors", "_protocols", "_observer", "_awaits"):
+    for leaf in ("_records", "_errors", "_protocols", "_observer", "_awaits", "_clock"):
         name = f"keyserial.{leaf}"
         assert imports_of(name, found[name], set(found)) == set(), name
 

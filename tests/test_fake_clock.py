@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -103,3 +104,26 @@ async def test_observer_durations_and_slow_turn_warnings_are_exact(
         "keyserial: test_observer_durations_and_slow_turn_warnings_are_exact.<locals>.work "
         "has held the turn of key 'k' for more than 30 s"
     ]
+
+
+async def test_a_share_reads_the_clock_its_loop_reads() -> None:
+    from keyserial._clock import loop_clock
+
+    loop = asyncio.new_event_loop()
+    try:
+        # asyncio's own loop.time() is time.monotonic(): the share calls that directly.
+        assert loop_clock(loop) is time.monotonic
+        loop.time = lambda: 42.0  # type: ignore[method-assign]  # a clock set on the loop
+        assert loop_clock(loop)() == 42.0
+    finally:
+        loop.close()
+
+    class OwnClock(asyncio.SelectorEventLoop):
+        def time(self) -> float:
+            return 7.0
+
+    own = OwnClock()
+    try:
+        assert loop_clock(own)() == 7.0
+    finally:
+        own.close()

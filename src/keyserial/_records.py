@@ -58,16 +58,21 @@ class MultiWaiter(Waiter):
 
 
 def new_waiter(
-    loop: asyncio.AbstractEventLoop, share: KeyHolders, key: Hashable, timeout: float | None
+    loop: asyncio.AbstractEventLoop,
+    share: KeyHolders,
+    key: Hashable,
+    timeout: float | None,
+    since: float,
 ) -> Waiter:
-    """A waiter for ``key``; with a timeout, a ``TimedWaiter`` whose timer is already set."""
+    """A waiter for ``key``, registered at ``since``; with a timeout, a ``TimedWaiter``
+    whose timer is already set."""
     if timeout is None:
         waiter = Waiter(loop=loop)
     else:
         # The timer never fires before the loop runs again: setting it first is safe.
         waiter = timed = TimedWaiter(loop=loop)
         timed.timer = loop.call_later(timeout, expire, timed)
-    waiter.since = loop.time()
+    waiter.since = since
     waiter.share = share
     waiter.key = key
     return waiter

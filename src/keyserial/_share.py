@@ -19,6 +19,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from ._awaits import is_running, is_task
+from ._clock import loop_clock
 from ._deadlock import check_later, check_no_cycle
 from ._errors import BrokenKeyError, QueueClosed, QueueFull, Superseded
 from ._fence import FenceBook
@@ -99,6 +100,7 @@ class LoopShare:
         "__weakref__",
         "attention",
         "by_thread",
+        "clock",
         "closed",
         "counts",
         "detect_deadlocks",
@@ -115,6 +117,7 @@ class LoopShare:
         count_calls: bool = False,
     ) -> None:
         self.loop = loop
+        self.clock = loop_clock(loop)
         # Whether the hot path may find this loop by its thread (see LoopShares.of).
         self.by_thread = False
         #: key -> the task holding its turn, or its KeyState once contended.
@@ -184,7 +187,7 @@ class LoopShare:
         """``key``'s state, made a KeyState if it was a plain holding task."""
         if type(held) is KeyState:
             return held
-        state = self.holders[key] = KeyState(held, self.loop.time())  # type: ignore[union-attr]
+        state = self.holders[key] = KeyState(held, self.clock())
         return state
 
     def register(
@@ -235,10 +238,10 @@ class LoopShare:
         state.pending += 1
         if state.holder is None:
             state.holder = GRANTED
-            waiter = new_waiter(loop, self, key, None)
+            waiter = new_waiter(loop, self, key, None, self.clock())
             waiter.set_result(True)
             return waiter
-        waiter = new_waiter(loop, self, key, timeout)
+        waiter = new_waiter(loop, self, key, timeout, self.clock())
         state.waiters.append(waiter)
         if group is not None:
             if replaced is not None:
@@ -279,7 +282,7 @@ class LoopShare:
             self.counts.timed_out += 1
             raise TimeoutError(f"timed out waiting for the turn of key {safe_repr(key)}")
         state.holder = task
-        state.since = self.loop.time()  # type: ignore[union-attr]
+        state.since = self.clock()
 
     def give_up(self, key: Hashable, waiter: Waiter) -> None:
         """The wait for the turn was interrupted (cancelled, or another BaseException)."""

@@ -82,8 +82,8 @@ def submit(
         raise key_error(key, exc) from exc
     if holder is None:
         # The task may start eagerly inside create_task, so the turn is reserved first.
-        share.holders[key] = KeyState(GRANTED, loop.time())
-        waiter: Waiter | None = new_waiter(loop, share, key, None)
+        share.holders[key] = KeyState(GRANTED, share.clock())
+        waiter: Waiter | None = new_waiter(loop, share, key, None, share.clock())
         waiter.set_result(True)  # type: ignore[union-attr]
     else:
         waiter = share.register(key, holder, NEW_TASK, None, max_pending)
