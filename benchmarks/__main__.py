@@ -69,7 +69,11 @@ def _runs_in_processes(runs: int, arguments: list[str]) -> list[list[report.Targ
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for CI smoke runs")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant")
     parser.add_argument("--markdown", type=Path, help="also write the report to this file")
