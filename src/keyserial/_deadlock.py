@@ -46,8 +46,10 @@ Task = asyncio.Task[Any]
 #: Nested any-of waits (``asyncio.wait(..., FIRST_COMPLETED)``) followed at most this deep.
 _MAX_ANY_DEPTH = 4
 
-#: Nodes the forward walk visits before the check tries `unreachable` instead.
-_FORWARD_BUDGET = 8
+#: Nodes the forward walk visits before the check tries `unreachable` instead. A node costs
+#: about a third of the backward walk: with 4, registering behind a chain of any length stays
+#: within 2x of registering behind one holder (the benchmarks' deadlock-chain row; 8 gave 2.15).
+_FORWARD_BUDGET = 4
 
 #: Returned by `find_cycle` when a task on the way is in the middle of a step.
 UNDECIDED = "undecided"
