@@ -262,3 +262,26 @@ async def test_gather_of_a_child_waiting_for_another_holder_is_not_a_deadlock() 
     gate.set()
     await bounded(asyncio.gather(other, holder))
     assert len(queue) == 0
+
+
+async def test_a_holder_seen_blocked_elsewhere_is_walked_again_once_it_waits_on_its_child() -> None:
+    # Calls queued behind a holder blocked on an event find a dead end, which the check
+    # remembers; once the holder resumes and gathers a child queued for its own key, the
+    # remembered dead end must not hide the cycle.
+    queue = KeyedSerialQueue()
+    event = asyncio.Event()
+
+    async def parent() -> None:
+        await event.wait()
+        await asyncio.gather(queue.run("k", work))
+
+    holder = asyncio.create_task(queue.run("k", parent))
+    await settle()
+    behind = asyncio.create_task(queue.run("k", work))  # registers behind the dead end
+    await settle()
+    assert queue.pending("k") == 2
+    event.set()
+    with pytest.raises(DeadlockError) as info:
+        await bounded(holder)
+    assert "parent" in str(info.value)
+    assert await bounded(behind) == "ran"

@@ -20,11 +20,18 @@ holds a key and awaits it, which a short backward walk shows — and walks in fu
 something might. A holder in the middle of a step (a task created with ``eager_task_factory``
 registers while its creator still runs) cannot be judged yet: the caller re-checks once the
 creator has suspended, see `check_later`.
+
+The common wait is behind a holder blocked on something that is none of these (I/O, an
+event, a sleep): it leads nowhere, and the answer stays the same for every call queued
+behind it until the holder resumes. The last such holder and the future it waits on are
+remembered (weakly), so a burst of calls behind it does not read its coroutines each time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -68,6 +75,24 @@ def register_entry_code(code: Any) -> None:
 
 
 Label = tuple[str, Any]  # ("key", key) or ("await", how), or ("", None) for no label
+
+#: The last holder found blocked on a future that leads nowhere, and that future. A task
+#: blocked on the same pending future has not resumed since, so its waits are unchanged.
+_dead_end: tuple[weakref.ref[Any], weakref.ref[Any]] | None = None
+
+
+def _is_known_dead_end(task: Any) -> bool:
+    known = _dead_end
+    if known is None or known[0]() is not task:
+        return False
+    awaited = getattr(task, "_fut_waiter", None)
+    return awaited is not None and known[1]() is awaited
+
+
+def _remember_dead_end(task: Any, awaited: Any) -> None:
+    global _dead_end
+    with contextlib.suppress(TypeError):  # a type without weak references: not remembered
+        _dead_end = (weakref.ref(task), weakref.ref(awaited))
 
 
 class _Search:
@@ -118,8 +143,12 @@ class _Search:
             awaited = getattr(node, "_fut_waiter", None)
             if type(awaited) is Waiter or type(awaited) is MultiWaiter:
                 return [(awaited, ("", None))]
+            if _is_known_dead_end(node):
+                return []
             wait = waits_of_task(node)
-            if wait is None and node is not self.target and is_running(node):
+            if wait is None and awaited is not None:
+                _remember_dead_end(node, awaited)
+            elif wait is None and node is not self.target and is_running(node):
                 self.undecided = True
         else:
             wait = waits_of_future(node)
@@ -188,7 +217,10 @@ def check_no_cycle(share: KeyHolders, task: Task, keys: Sequence[Hashable]) -> b
     the caller re-checks with `check_later`).
     """
     holders = [share.holding_task(key) for key in keys]
-    if not any(h is not None and h is not task and may_wait_on_someone(h) for h in holders):
+    if not any(
+        h is not None and h is not task and may_wait_on_someone(h) and not _is_known_dead_end(h)
+        for h in holders
+    ):
         return False
     found = find_cycle(share, task, keys, _FORWARD_BUDGET)
     if found == EXHAUSTED:
