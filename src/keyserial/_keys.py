@@ -2,9 +2,9 @@
 
 Each extractor takes ``(instance, args, kwargs)`` as wrapt passes them and
 returns the key, hashed once so that a key that cannot be hashed is a ``TypeError``
-naming the function as soon as it is called. The call's full positional arguments are ``args`` when
-``instance`` is None, else ``(instance, *args)``; extractors index into that
-without building the tuple, because they run on every call.
+naming the function as soon as it is called. The call's full positional arguments
+are ``args`` when ``instance`` is None, else ``(instance, *args)``; extractors index
+into that without building the tuple, because they run on every call.
 """
 
 from __future__ import annotations
