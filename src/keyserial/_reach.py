@@ -28,12 +28,17 @@ Task = asyncio.Task[Any]
 
 #: Nodes `unreachable` visits before it gives up (and the forward walk runs in full).
 _BACKWARD_BUDGET = 32
+#: Before 3.14 (``create_task(eager_start=True)``), only a task factory starts tasks eagerly.
+_EAGER_NEEDS_FACTORY = sys.version_info < (3, 14)
 
 _COROUTINE_FLAGS = 0x80 | 0x100 | 0x200  # CO_COROUTINE, CO_ITERABLE_COROUTINE, CO_ASYNC_GENERATOR
 
-#: Code objects of every keyserial coroutine that registers for keys or holds them while it
-#: runs: the entry codes, and the registering ones of lock blocks and multi-key calls.
-_holding_codes: set[Any] = set()
+#: The ids of the code objects of every keyserial coroutine that registers for keys or holds
+#: them while it runs: the entry codes, and the registering ones of lock blocks and multi-key
+#: calls. Ids, because hashing a code object hashes its bytecode and constants (about 2 us
+#: each); the codes themselves are kept in `_kept_codes`, so their ids stay theirs.
+_holding_codes: set[int] = set()
+_kept_codes: list[Any] = []
 #: Tasks inside ``lock()``/``lock_all()`` blocks, with how many: a block has no frame of its
 #: own on its task's await chain (it may even belong to a suspended async generator).
 _block_holders: dict[Task, int] = {}
@@ -41,7 +46,8 @@ _block_holders: dict[Task, int] = {}
 
 def register_holding_code(code: Any) -> None:
     """Declare that a frame running ``code`` registers for keys or holds some."""
-    _holding_codes.add(code)
+    _kept_codes.append(code)
+    _holding_codes.add(id(code))
 
 
 def block_entered(task: Task) -> None:
@@ -107,7 +113,7 @@ def _stack_holds_nothing(task: Task) -> bool | str:
     registrant_seen = False
     frame: FrameType | None = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]
     while frame is not None:
-        if frame.f_code in _holding_codes:
+        if id(frame.f_code) in _holding_codes:
             if registrant_seen:  # the innermost one is the call registering now
                 return False
             registrant_seen = True
@@ -117,7 +123,11 @@ def _stack_holds_nothing(task: Task) -> bool | str:
     if frame is None:
         return False  # the task's own frames are not where they should be: unsure
     # Below a task's frames there is only the loop, unless another task is in the middle
-    # of a step that started this one eagerly: its waits are not settled yet.
+    # of a step that started this one eagerly: its waits are not settled yet. Before 3.14
+    # only a task factory starts tasks eagerly; without one, the loop's frames (each read
+    # makes a frame object) need not be read.
+    if _EAGER_NEEDS_FACTORY and task.get_loop().get_task_factory() is None:
+        return True
     frame = frame.f_back
     while frame is not None:
         if frame.f_code.co_flags & _COROUTINE_FLAGS:
@@ -139,7 +149,7 @@ def _suspended_holds_nothing(task: Task, registering: bool = False) -> bool:
         frame = frame_of(coro)
         if frame is None:
             return False
-        if frame.f_code in _holding_codes:
+        if id(frame.f_code) in _holding_codes:
             allowed -= 1
             if allowed < 0:
                 return False
