@@ -67,6 +67,17 @@ def frame_of(coro: Any) -> FrameType | None:
     return getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
 
 
+#: Only Python 3.12 and later start tasks eagerly; before 3.14 (``create_task(...,
+#: eager_start=True)``) only through a task factory such as ``eager_task_factory``.
+EAGER_TASKS = sys.version_info >= (3, 12)
+EAGER_NEEDS_FACTORY = sys.version_info < (3, 14)
+
+
+def may_start_eagerly(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether a task created on ``loop`` may run its first step inside ``create_task()``."""
+    return EAGER_TASKS and (not EAGER_NEEDS_FACTORY or loop.get_task_factory() is not None)
+
+
 def is_running(task: asyncio.Task[Any]) -> bool:
     """Whether ``task`` is in the middle of a step (another task started eagerly inside it)."""
     return not task.done() and bool(getattr(task.get_coro(), "cr_running", False))

@@ -22,14 +22,12 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from ._awaits import MAX_DEPTH, frame_of, is_running, is_task, woken_by
+from ._awaits import MAX_DEPTH, frame_of, is_running, is_task, may_start_eagerly, woken_by
 
 Task = asyncio.Task[Any]
 
 #: Nodes `unreachable` visits before it gives up (and the forward walk runs in full).
 _BACKWARD_BUDGET = 32
-#: Before 3.14 (``create_task(eager_start=True)``), only a task factory starts tasks eagerly.
-_EAGER_NEEDS_FACTORY = sys.version_info < (3, 14)
 
 _COROUTINE_FLAGS = 0x80 | 0x100 | 0x200  # CO_COROUTINE, CO_ITERABLE_COROUTINE, CO_ASYNC_GENERATOR
 
@@ -123,10 +121,9 @@ def _stack_holds_nothing(task: Task) -> bool | str:
     if frame is None:
         return False  # the task's own frames are not where they should be: unsure
     # Below a task's frames there is only the loop, unless another task is in the middle
-    # of a step that started this one eagerly: its waits are not settled yet. Before 3.14
-    # only a task factory starts tasks eagerly; without one, the loop's frames (each read
-    # makes a frame object) need not be read.
-    if _EAGER_NEEDS_FACTORY and task.get_loop().get_task_factory() is None:
+    # of a step that started this one eagerly: its waits are not settled yet. Where no task
+    # starts eagerly, the loop's frames (each read makes a frame object) need not be read.
+    if not may_start_eagerly(task.get_loop()):
         return True
     frame = frame.f_back
     while frame is not None:
