@@ -53,6 +53,16 @@ class Chain:
             asyncio.gather(*self.tasks, return_exceptions=True), timeout=BOUND
         )
 
+    async def refused_once(self, go: asyncio.Event) -> DeadlockError:
+        """Build the chain, let its end close the cycle (``go``), and return the error its
+        last holder got; every key is free afterwards."""
+        await self.build()
+        go.set()
+        outcomes = await self.outcomes()
+        assert isinstance(outcomes[0], DeadlockError)
+        assert len(self.queue) == 0
+        return outcomes[0]
+
 
 async def test_calls_queued_behind_a_long_chain_are_accepted_and_ordered() -> None:
     queue = KeyedSerialQueue()
@@ -82,13 +92,8 @@ async def test_a_holder_at_the_end_waiting_for_the_head_is_refused() -> None:
         await go.wait()
         return await queue.run(1, work)  # holds LENGTH, waits for 1: closes the chain
 
-    chain = Chain(queue, end)
-    await chain.build()
-    go.set()
-    outcomes = await chain.outcomes()
-    assert isinstance(outcomes[0], DeadlockError)
-    assert 1 in outcomes[0].keys
-    assert len(queue) == 0
+    error = await Chain(queue, end).refused_once(go)
+    assert 1 in error.keys
 
 
 BlockOf = Callable[[KeyedSerialQueue], contextlib.AbstractAsyncContextManager[Any]]
@@ -152,12 +157,7 @@ async def test_a_waiter_awaited_by_the_last_holder_is_refused() -> None:
     async def end() -> str:
         return await child  # holds LENGTH while awaiting the task that queues for 1
 
-    chain = Chain(queue, end)
-    await chain.build()
-    go.set()
-    outcomes = await chain.outcomes()
-    assert isinstance(outcomes[0], DeadlockError)
-    assert len(queue) == 0
+    await Chain(queue, end).refused_once(go)
 
 
 async def test_a_waiter_gathered_by_the_last_holder_is_refused() -> None:
@@ -171,12 +171,7 @@ async def test_a_waiter_gathered_by_the_last_holder_is_refused() -> None:
     async def end() -> Any:
         return await asyncio.gather(waiter(), asyncio.sleep(0))
 
-    chain = Chain(queue, end)
-    await chain.build()
-    go.set()
-    outcomes = await chain.outcomes()
-    assert isinstance(outcomes[0], DeadlockError)
-    assert len(queue) == 0
+    await Chain(queue, end).refused_once(go)
 
 
 async def test_a_waiter_started_by_the_last_holder_is_refused() -> None:
@@ -190,12 +185,7 @@ async def test_a_waiter_started_by_the_last_holder_is_refused() -> None:
         child = asyncio.get_running_loop().create_task(queue.run(1, work))
         return await child
 
-    chain = Chain(queue, end)
-    await chain.build()
-    go.set()
-    outcomes = await chain.outcomes()
-    assert isinstance(outcomes[0], DeadlockError)
-    assert len(queue) == 0
+    await Chain(queue, end).refused_once(go)
 
 
 async def test_the_check_of_a_call_that_closes_no_cycle_does_not_walk_the_chain(
