@@ -243,6 +243,7 @@ def main() -> int:
     }
     lines = [
         f"Environment: {environment()}, PostgreSQL on loopback",
+        "",  # separate paragraphs in Markdown
         f"Command: `python -m benchmarks.postgres_backend{' --quick' if options.quick else ''}`",
         "",
         f"### PostgreSQL backend: {calls:,} uncontended calls, each writing a row; "

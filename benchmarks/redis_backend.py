@@ -237,6 +237,7 @@ def main() -> int:
     best_other = max(throughput[name] for name in LIBRARIES[1:])
     lines = [
         f"Environment: {environment()}, redis-server on loopback",
+        "",  # separate paragraphs in Markdown
         f"Command: `python -m benchmarks.redis_backend{' --quick' if options.quick else ''}`",
         "",
         f"### Redis backend: {calls:,} uncontended calls; {processes} processes x {turns:,} "
