@@ -42,3 +42,36 @@ def serialize_key(key: object, backend: str, depth: int = 0) -> bytes:
     raise TypeError(
         f"{backend} keys must be str, bytes, int or tuples of them, not {type(key).__name__}"
     )
+
+
+def deserialize_key(data: bytes) -> object:
+    """The key that ``serialize_key`` turned into ``data``.
+
+    Raises:
+        ValueError: ``data`` is not a serialized key.
+    """
+    key, end = _read_key(data, 0)
+    if end != len(data):
+        raise ValueError("not a serialized key: bytes left over after the key")
+    return key
+
+
+def _read_key(data: bytes, start: int) -> tuple[object, int]:
+    kind = data[start : start + 1]
+    if kind in (b"i", b"x"):
+        end = data.index(b";", start)
+        return int(data[start + 1 : end], 10 if kind == b"i" else 16), end + 1
+    colon = data.index(b":", start)
+    size = int(data[start + 1 : colon])
+    if kind == b"t":
+        items: list[object] = []
+        position = colon + 1
+        for _ in range(size):
+            item, position = _read_key(data, position)
+            items.append(item)
+        return tuple(items), position
+    end = colon + 1 + size
+    if end > len(data) or kind not in (b"s", b"b"):
+        raise ValueError("not a serialized key")
+    body = data[colon + 1 : end]
+    return (body.decode("utf-8", "surrogatepass") if kind == b"s" else body), end

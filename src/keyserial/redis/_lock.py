@@ -43,6 +43,11 @@ class RedisLock:
         self._keeper: LeaseKeeper | None = None
         self._fence_token: Token[Any] | None = None
 
+    @property
+    def fence(self) -> int | None:
+        """The fence of the Redis turn this block holds (None outside the block, or re-entered)."""
+        return None if self._turn is None else self._turn.fence
+
     async def __aenter__(self) -> None:
         turns, encoded = self._turns, self._encoded
         loop = asyncio.get_running_loop()

@@ -1,0 +1,282 @@
+"""One ownership of one partition: takeover, reading, per-key handling, acks, drain.
+
+The hard part is what an acknowledgement may mean. An ack here is written *before* the key
+moves on: a message's turn in the in-process keyed queue ends only once its ack (or its
+dead letter) is confirmed by the broker. So whatever crashes, the unacknowledged messages of
+a key are its last started one and those after it, and a new owner that replays them in
+stream order never runs a message after a later message of its key completed. Acks of
+different keys that finish together share one round trip (``AckBatcher``), so the ack costs
+a key one round trip of latency and the consumer almost no throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .._queue import KeyedSerialQueue
+from ._message import StreamCounts, StreamMessage
+from ._source import Entry, StreamSource
+
+Handler = Callable[[StreamMessage], Awaitable[Any]]
+
+logger = logging.getLogger("keyserial.streams")
+
+#: Messages read (or claimed) per request to the broker, at most.
+READ_BATCH = 256
+#: How long an idle owner waits for new messages before it asks again.
+IDLE_WAIT = 1.0
+
+
+class InFlight:
+    """Messages read but not finished, across a consumer's partitions, up to a bound."""
+
+    __slots__ = ("_room", "count", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def take(self, n: int) -> None:
+        self.count += n
+        if self.count >= self.limit:
+            self._room.clear()
+
+    def release(self) -> None:
+        self.count -= 1
+        if self.count < self.limit:
+            self._room.set()
+
+    async def room(self) -> int:
+        """Wait until fewer than ``limit`` messages are in flight; how many more may be read."""
+        await self._room.wait()
+        return self.limit - self.count
+
+
+class AckBatcher:
+    """Acknowledges finished messages of one partition, those finishing together at once.
+
+    While one ack request is out, the messages finishing meanwhile gather into the next,
+    sent as soon as it returns: one round trip per batch, however many keys finish.
+    """
+
+    __slots__ = ("_batch", "_done", "_fence", "_flusher", "_partition", "_source", "counts")
+
+    def __init__(
+        self, source: StreamSource, partition: int, fence: int, counts: StreamCounts
+    ) -> None:
+        self._source = source
+        self._partition = partition
+        self._fence = fence
+        self.counts = counts
+        self._batch: list[str] = []
+        self._done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def ack(self, message_id: str) -> None:
+        """Return once the broker confirmed the ack. Raises ``PartitionLost`` if fenced."""
+        self._batch.append(message_id)
+        done = self._done
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+        # Shielded: a handler cancelled while its ack is out does not cancel the others'.
+        await asyncio.shield(done)
+
+    async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._batch:
+                batch, done = self._batch, self._done
+                self._batch, self._done = [], loop.create_future()
+                try:
+                    lag = await self._source.ack(self._partition, self._fence, batch)
+                except asyncio.CancelledError:
+                    done.cancel()
+                    raise
+                except Exception as exc:
+                    done.set_exception(exc)
+                    done.exception()  # retrieved here: each waiter re-raises it itself
+                else:
+                    self.counts.lag[self._partition] = lag
+                    done.set_result(None)
+        finally:
+            self._flusher = None
+
+    async def aclose(self) -> None:
+        """Stop sending; acks still waiting are cancelled."""
+        flusher = self._flusher
+        if flusher is not None:
+            flusher.cancel()
+            await asyncio.gather(flusher, return_exceptions=True)
+        self._done.cancel()
+
+
+class PartitionWorker:
+    """Runs one partition for as long as its owner holds it (see the module docstring)."""
+
+    def __init__(
+        self,
+        source: StreamSource,
+        partition: int,
+        fence: int,
+        consumer: str,
+        handler: Handler,
+        queue: KeyedSerialQueue,
+        in_flight: InFlight,
+        counts: StreamCounts,
+        max_attempts: int,
+        retry_delay: float,
+    ) -> None:
+        self.source = source
+        self.partition = partition
+        self.fence = fence
+        self.consumer = consumer
+        self.handler = handler
+        self.queue = queue
+        self.in_flight = in_flight
+        self.counts = counts
+        self.max_attempts = max_attempts
+        self.retry_delay = retry_delay
+        self.acks = AckBatcher(source, partition, fence, counts)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.failure: BaseException | None = None
+        self._wake = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event, drain_timeout: float) -> None:
+        """Take over, then read until ``stop`` is set; then let the handlers finish.
+
+        Raises ``PartitionLost`` (or the broker's error) when the partition can no longer
+        be served; its handlers are cancelled then, unacknowledged.
+        """
+        try:
+            await self._take_over(stop)
+            await self._read(stop)
+            await self._drain(drain_timeout)
+        finally:
+            await self._cancel_handlers()
+        if self.failure is not None:
+            raise self.failure
+
+    async def _take_over(self, stop: asyncio.Event) -> None:
+        """Run the earlier owners' unacknowledged messages first, in stream order."""
+        start = "0-0"
+        while not stop.is_set() and self.failure is None:
+            room = await self._room(stop)
+            if room == 0:
+                return
+            start, entries = await self.source.claim(
+                self.partition, self.fence, self.consumer, start, min(room, READ_BATCH)
+            )
+            self._dispatch(entries)
+            if start == "0-0":
+                return
+
+    async def _read(self, stop: asyncio.Event) -> None:
+        while not stop.is_set() and self.failure is None:
+            room = await self._room(stop)
+            if room == 0:
+                return
+            got = await self.source.read(
+                self.partition, self.fence, self.consumer, min(room, READ_BATCH)
+            )
+            if isinstance(got, str):
+                await self._until_any(stop, self.source.wait(self.partition, got, IDLE_WAIT))
+            else:
+                self._dispatch(got)
+
+    async def _room(self, stop: asyncio.Event) -> int:
+        """How many messages may be read now; 0 if told to stop while waiting for room."""
+        room = self.in_flight.limit - self.in_flight.count
+        if room > 0:
+            return room
+        await self._until_any(stop, self.in_flight.room())
+        return 0 if stop.is_set() or self.failure is not None else await self._room(stop)
+
+    async def _until_any(self, stop: asyncio.Event, awaitable: Awaitable[Any]) -> None:
+        """Await ``awaitable`` until it ends, ``stop`` is set or a handler failed the worker."""
+        work = asyncio.ensure_future(awaitable)
+        stopped = asyncio.ensure_future(stop.wait())
+        failed = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({work, stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for future in (work, stopped, failed):
+                future.cancel()
+            await asyncio.gather(work, stopped, failed, return_exceptions=True)
+        if work.done() and not work.cancelled() and work.exception() is not None:
+            raise work.exception()  # type: ignore[misc]
+
+    def _dispatch(self, entries: Any) -> None:
+        for entry in entries:
+            self.in_flight.take(1)
+            task = self.queue.submit(entry.key, self._handle, entry)
+            self.tasks.add(task)
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self.in_flight.release()
+        if not task.cancelled() and task.exception() is not None and self.failure is None:
+            self.failure = task.exception()
+            self._wake.set()
+
+    async def _handle(self, entry: Entry) -> None:
+        """Run ``entry`` in its key's turn: retried, then acknowledged or dead-lettered."""
+        for attempt in range(1, self.max_attempts + 1):
+            message = StreamMessage(
+                entry.key,
+                entry.fields,
+                entry.id,
+                self.partition,
+                attempt,
+                entry.deliveries,
+                self.fence,
+            )
+            try:
+                await self.handler(message)
+            except Exception as exc:
+                self.counts.failed_attempts += 1
+                if attempt == self.max_attempts:
+                    error = f"{type(exc).__name__}: {exc}"
+                    await self.source.dead_letter(self.partition, self.fence, entry, error)
+                    self.counts.dead_lettered += 1
+                    logger.warning(
+                        "message %s of key %r dead-lettered after %d attempts: %s",
+                        entry.id,
+                        entry.key,
+                        attempt,
+                        error,
+                    )
+                    return
+                self.counts.retries += 1
+                if self.retry_delay:
+                    await asyncio.sleep(self.retry_delay * 2 ** (attempt - 1))
+            else:
+                await self.acks.ack(entry.id)
+                self.counts.handled += 1
+                return
+
+    async def _drain(self, drain_timeout: float) -> None:
+        """Let the handlers started here finish and be acknowledged, for ``drain_timeout``."""
+        if not self.tasks:
+            return
+        _, pending = await asyncio.wait(set(self.tasks), timeout=drain_timeout)
+        if pending:
+            logger.warning(
+                "partition %d: %d handlers still running after %.1f s; cancelled, unacknowledged",
+                self.partition,
+                len(pending),
+                drain_timeout,
+            )
+
+    async def _cancel_handlers(self) -> None:
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.acks.aclose()

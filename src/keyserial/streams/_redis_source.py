@@ -1,0 +1,196 @@
+"""``RedisStreamSource``: partitions as Redis streams, owned through the Redis backend's turns.
+
+Partition ``p`` of stream ``name`` is a turn of ``RedisKeyedQueue(namespace="keyserial.streams/
+<name>")`` for the key ``p``: the owner waits for it like any caller, holds it under a lease
+renewed in the background, and loses it (its task cancelled) when the lease runs out. The
+partition's stream and dead letters share the turn's hash tag, so each fenced script checks
+the turn's holder in the same slot it reads and acknowledges in.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, cast
+
+import redis.asyncio as redis_asyncio
+
+from .._keycodec import deserialize_key, serialize_key
+from ..redis._lock import RedisLock
+from ..redis._names import base_name, encode_key, encoded_namespace
+from ..redis._queue import RedisKeyedQueue
+from ..redis._transport import LuaScript, ScriptRunner, text
+from . import _redis_scripts as scripts
+from ._source import Entry, PartitionLost
+
+#: The field that carries a message's key; user fields may not use the ``keyserial.`` prefix.
+KEY_FIELD = "keyserial.key"
+RESERVED_PREFIX = "keyserial."
+
+Value = str | bytes | int | float
+
+
+def _as_text(value: object) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+
+
+class RedisStreamSource:
+    """Partitions of one keyed stream in Redis (see the module docstring).
+
+    Raises:
+        TypeError: ``client`` is not an asyncio Redis client, or ``name`` not a str.
+        ValueError: ``name`` is empty, ``partitions`` is not a positive int, or ``lease``
+            is below the Redis backend's ``MIN_LEASE``.
+    """
+
+    def __init__(
+        self, client: redis_asyncio.Redis, name: str, partitions: int, lease: float
+    ) -> None:
+        if not isinstance(client, redis_asyncio.Redis):
+            raise TypeError(
+                "KeyedStream needs a redis.asyncio.Redis client, not "
+                f"{type(client).__module__}.{type(client).__qualname__}"
+            )
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, not {type(name).__name__}")
+        if not name:
+            raise ValueError("name must be a non-empty string")
+        if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+            raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+        namespace = f"keyserial.streams/{name}"
+        self.partitions = partitions
+        self.lease = float(lease)
+        self._client = client
+        self._owners = RedisKeyedQueue(client, namespace, lease)
+        encoded = encoded_namespace(namespace)
+        self._bases = [base_name(encoded, encode_key(p)) for p in range(partitions)]
+        self._members_key = f"keyserial:{{{encoded}}}:members"
+        self._runner = ScriptRunner(client)
+        self._claim = LuaScript(scripts.CLAIM)
+        self._read = LuaScript(scripts.READ)
+        self._ack = LuaScript(scripts.ACK)
+        self._dead = LuaScript(scripts.DEAD_LETTER)
+        self._members = LuaScript(scripts.MEMBERS)
+
+    def stream_name(self, partition: int) -> str:
+        """The Redis key of ``partition``'s stream."""
+        return self._bases[partition] + ":stream"
+
+    def dead_letter_name(self, partition: int) -> str:
+        """The Redis key of ``partition``'s dead-letter stream."""
+        return self._bases[partition] + ":dead"
+
+    def partition_of(self, key: Hashable) -> int:
+        """A stable hash of the serialized key, the same in every process and version."""
+        data = serialize_key(key, "KeyedStream")
+        digest = hashlib.blake2b(data, digest_size=8).digest()
+        return int.from_bytes(digest, "big") % self.partitions
+
+    async def publish(self, key: Hashable, fields: Mapping[str, Value]) -> str:
+        data = serialize_key(key, "KeyedStream")
+        if not isinstance(fields, Mapping):
+            raise TypeError(f"fields must be a mapping, not {type(fields).__name__}")
+        message: dict[str, Value] = {KEY_FIELD: base64.b64encode(data).decode()}
+        for name, value in fields.items():
+            if not isinstance(name, str):
+                raise TypeError(f"field names must be str, not {type(name).__name__}")
+            if name.startswith(RESERVED_PREFIX):
+                raise ValueError(f"field names starting with {RESERVED_PREFIX!r} are reserved")
+            if isinstance(value, bool) or not isinstance(value, (str, bytes, int, float)):
+                raise TypeError(
+                    f"field {name!r} must be str, bytes, int or float, not {type(value).__name__}"
+                )
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"field {name!r} is not a finite number: {value!r}")
+            message[name] = value
+        digest = hashlib.blake2b(data, digest_size=8).digest()
+        partition = int.from_bytes(digest, "big") % self.partitions
+        reply = await self._client.xadd(self.stream_name(partition), message)  # type: ignore[arg-type]
+        return text(reply)
+
+    def own(self, partition: int) -> AbstractAsyncContextManager[int]:
+        return _Ownership(self._owners, partition)
+
+    async def _script(self, script: LuaScript, partition: int, *args: str | int) -> Any:
+        reply = await self._runner.call(script, self._bases[partition], *args)
+        if text(reply[0]) == "fenced":
+            raise PartitionLost(f"partition {partition} has another owner now")
+        return reply
+
+    async def claim(
+        self, partition: int, fence: int, consumer: str, start: str, count: int
+    ) -> tuple[str, Sequence[Entry]]:
+        reply = await self._script(self._claim, partition, fence, consumer, start, count)
+        entries = [
+            _entry(raw, int(deliveries)) for raw, deliveries in zip(reply[2], reply[3], strict=True)
+        ]
+        return text(reply[1]), entries
+
+    async def read(
+        self, partition: int, fence: int, consumer: str, count: int
+    ) -> Sequence[Entry] | str:
+        reply = await self._script(self._read, partition, fence, consumer, count)
+        if text(reply[0]) == "empty":
+            return text(reply[1])
+        return [_entry(raw, 1) for raw in reply[1]]
+
+    async def wait(self, partition: int, after: str, timeout: float) -> None:
+        await self._client.xread(
+            {self.stream_name(partition): after}, count=1, block=max(1, int(timeout * 1000))
+        )
+
+    async def ack(self, partition: int, fence: int, ids: Sequence[str]) -> int:
+        reply = await self._script(self._ack, partition, fence, *ids)
+        return int(reply[1])
+
+    async def dead_letter(self, partition: int, fence: int, entry: Entry, error: str) -> None:
+        flat: list[str | int] = [KEY_FIELD, base64.b64encode(serialize_key(entry.key, "")).decode()]
+        for name, value in entry.fields.items():
+            flat += [name, value]
+        await self._script(self._dead, partition, fence, entry.id, entry.deliveries, error, *flat)
+
+    async def members(self, member: str, ttl: float, *, leaving: bool = False) -> list[str]:
+        reply = await self._runner.call(
+            self._members, self._members_key, member, max(1, int(ttl * 1000)), int(leaving)
+        )
+        return sorted(text(name) for name in reply)
+
+    async def aclose(self) -> None:
+        await self._owners.aclose()
+        await self._runner.close()
+
+
+class _Ownership:
+    """``async with``: hold a partition's turn; its value is the turn's fence."""
+
+    __slots__ = ("_lock", "_partition")
+
+    def __init__(self, owners: RedisKeyedQueue, partition: int) -> None:
+        self._lock = cast("RedisLock", owners.lock(partition))
+        self._partition = partition
+
+    async def __aenter__(self) -> int:
+        await self._lock.__aenter__()
+        fence = self._lock.fence
+        assert fence is not None  # a partition's block is never a re-entry
+        return fence
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return await self._lock.__aexit__(*exc_info)
+
+
+def _entry(raw: Sequence[Any], deliveries: int) -> Entry:
+    """An ``Entry`` from a stream entry as Redis sends it: ``[id, [field, value, ...]]``."""
+    flat = raw[1]
+    fields: dict[str, str] = {}
+    key: Hashable = None
+    for i in range(0, len(flat), 2):
+        name = _as_text(flat[i])
+        if name == KEY_FIELD:
+            key = deserialize_key(base64.b64decode(flat[i + 1]))
+        else:
+            fields[name] = _as_text(flat[i + 1])
+    return Entry(text(raw[0]), key, fields, deliveries)

@@ -1,0 +1,322 @@
+"""``KeyedStream``: publish keyed messages; consume them per key in order, across processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import math
+import os
+import secrets
+import socket
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from typing import Any, TypeVar
+
+import redis.asyncio as redis_asyncio
+from redis.exceptions import RedisError
+
+from .._errors import LeaseLost
+from .._observer import QueueObserver
+from .._queue import KeyedSerialQueue
+from ..redis._queue import MIN_LEASE
+from ._assignment import assigned
+from ._message import StreamCounts, StreamMessage, StreamStats
+from ._partition import Handler, InFlight, PartitionWorker
+from ._redis_source import RedisStreamSource, Value
+from ._source import PartitionLost, StreamSource
+
+H = TypeVar("H", bound=Callable[[StreamMessage], Awaitable[Any]])
+
+logger = logging.getLogger("keyserial.streams")
+
+#: Seconds to wait before asking a broker that failed again.
+RETRY_BROKER = 0.5
+
+
+class _Slot:
+    """A partition this consumer wants: the task that waits for it, then serves it."""
+
+    __slots__ = ("owning", "stop", "task")
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.owning = False
+        self.task: asyncio.Task[None] | None = None
+
+
+class KeyedStream:
+    """A stream of keyed messages, consumed per key in order by any number of processes.
+
+    Messages are published with a key; keys map to ``partitions`` partitions by a stable
+    hash, each one Redis stream. Each partition has one owner at a time among the running
+    consumers, through the Redis backend's leases and fences. The owner runs its messages
+    through an in-process keyed queue: different keys concurrently, the same key strictly
+    one after the other in stream order.
+
+    Guarantees:
+
+    * a message's handler starts only after every earlier message of its key finished,
+      was dead-lettered, or (after a crash) is being run again first;
+    * at least once: a message is acknowledged only after its handler returned, and
+      before the next message of its key starts; a handler that raises is retried
+      (``max_attempts``) while its key waits, then dead-lettered with its error;
+    * a new owner first runs the previous owner's unacknowledged messages, in stream
+      order; a message runs twice only when its owner crashed or lost its lease, and
+      [StreamMessage.fence][keyserial.streams.StreamMessage] lets a store refuse the
+      stale owner's writes;
+    * consumers share the partitions evenly, and a dead consumer's partitions are taken
+      over within about one lease;
+    * reading stops while ``max_in_flight`` messages are unfinished.
+
+    Args:
+        client: a ``redis.asyncio.Redis`` client (Redis 7.0 or later).
+        name: the stream's name; producers and consumers use the same one.
+        partitions: how many partitions; fixed for the stream's life (it decides
+            where each key's messages go), and the most consumers that can share the work.
+        lease: seconds a partition stays owned without renewal: how long a dead
+            consumer's partitions wait before another consumer takes them.
+
+    Raises:
+        TypeError: ``client`` is not a ``redis.asyncio.Redis``, or ``name`` not a str.
+        ValueError: ``name`` is empty, ``partitions`` is not a positive int, or
+            ``lease`` is not a finite number of seconds of at least 0.1.
+
+    Example:
+        ```python
+        stream = KeyedStream(redis.Redis(), "transcripts", partitions=16)
+        await stream.publish("seg-1", {"kind": "partial", "text": "hello"})
+
+        @stream.consumer(max_in_flight=1000, max_attempts=5)
+        async def handle(message: StreamMessage) -> None:
+            await save(message.key, message.fields["text"], fence=message.fence)
+
+        await stream.run()  # until cancelled or stop(); drains gracefully
+        ```
+    """
+
+    def __init__(
+        self,
+        client: redis_asyncio.Redis,
+        name: str,
+        partitions: int = 16,
+        *,
+        lease: float = 10.0,
+    ) -> None:
+        if not (isinstance(lease, (int, float)) and math.isfinite(lease) and lease >= MIN_LEASE):
+            raise ValueError(
+                f"lease must be a finite number of seconds >= {MIN_LEASE}, got {lease!r}"
+            )
+        self._source: StreamSource = RedisStreamSource(client, name, partitions, lease)
+        self.lease = float(lease)
+        self.name = name
+        self.member = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._handler: Handler | None = None
+        self._max_in_flight = 1000
+        self._max_attempts = 5
+        self._retry_delay = 0.1
+        self._drain_timeout = 30.0
+        self._observer: QueueObserver | None = None
+        self._counts = StreamCounts()
+        self._in_flight = InFlight(self._max_in_flight)
+        self._slots: dict[int, _Slot] = {}
+        self._stopping: asyncio.Event | None = None
+
+    @property
+    def partitions(self) -> int:
+        """How many partitions the stream has."""
+        return self._source.partitions
+
+    @property
+    def source(self) -> StreamSource:
+        """The broker behind the stream."""
+        return self._source
+
+    def partition_of(self, key: Hashable) -> int:
+        """The partition ``key``'s messages go to (the same in every process).
+
+        Raises:
+            TypeError: ``key`` is not a str, bytes, int or a tuple of them.
+        """
+        return self._source.partition_of(key)
+
+    async def publish(self, key: Hashable, fields: Mapping[str, Value]) -> str:
+        """Append a message for ``key``; returns its id in its partition.
+
+        Messages of one key are consumed in the order their ``publish`` calls
+        completed. ``fields`` values are str, bytes, int or float; a handler sees
+        them all as str (bytes decoded as UTF-8, undecodable bytes kept as
+        surrogate escapes).
+
+        Raises:
+            TypeError: ``key`` is not a str, bytes, int or a tuple of them, or a
+                field name or value has another type.
+            ValueError: a field name starts with ``keyserial.`` (reserved), or a
+                float value is not finite.
+        """
+        return await self._source.publish(key, fields)
+
+    def consumer(
+        self,
+        *,
+        max_in_flight: int = 1000,
+        max_attempts: int = 5,
+        retry_delay: float = 0.1,
+        drain_timeout: float = 30.0,
+        observer: QueueObserver | None = None,
+    ) -> Callable[[H], H]:
+        """Register the stream's handler: ``async def handle(message: StreamMessage)``.
+
+        ``max_in_flight`` bounds the messages read but not finished in this
+        process; ``max_attempts`` the attempts per message before it is
+        dead-lettered, waiting ``retry_delay`` seconds (doubled each time) in
+        between; ``drain_timeout`` how long a graceful stop, or the hand-over of a
+        partition to another consumer, lets running handlers finish. ``observer``
+        receives the in-process queue's hooks, with the message key as key.
+
+        Raises:
+            ValueError: a bound is not a positive int, a delay is negative, or a
+                handler is already registered.
+            TypeError: the handler is not an ``async def`` function.
+        """
+        for label, bound in (("max_in_flight", max_in_flight), ("max_attempts", max_attempts)):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+                raise ValueError(f"{label} must be a positive int, got {bound!r}")
+        for label, seconds in (("retry_delay", retry_delay), ("drain_timeout", drain_timeout)):
+            if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(
+                    f"{label} must be a finite number of seconds >= 0, got {seconds!r}"
+                )
+
+        def register(handler: H) -> H:
+            function: Callable[..., object] = handler  # checked without narrowing ``handler``
+            if not inspect.iscoroutinefunction(function):
+                raise TypeError(
+                    f"the stream's handler must be an async def function, not {handler!r}"
+                )
+            if self._handler is not None:
+                raise ValueError(f"stream {self.name!r} already has a handler")
+            self._handler = handler
+            self._max_in_flight, self._max_attempts = max_in_flight, max_attempts
+            self._retry_delay, self._drain_timeout = float(retry_delay), float(drain_timeout)
+            self._observer = observer
+            self._in_flight = InFlight(max_in_flight)
+            return handler
+
+        return register
+
+    def stats(self) -> StreamStats:
+        """What this consumer owns and has done since it started."""
+        counts = self._counts
+        owned = tuple(sorted(p for p, slot in self._slots.items() if slot.owning))
+        return StreamStats(
+            owned,
+            self._in_flight.count,
+            counts.handled,
+            counts.failed_attempts,
+            counts.retries,
+            counts.dead_lettered,
+            counts.ownerships_lost,
+            {p: lag for p, lag in counts.lag.items() if p in owned},
+        )
+
+    def stop(self) -> None:
+        """Ask ``run()`` to stop reading, let running handlers finish, and return."""
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def run(self) -> None:
+        """Consume until cancelled or ``stop()``: own partitions, run their messages.
+
+        On the way out (cancelled or stopped) it stops reading, lets running
+        handlers finish for up to ``drain_timeout`` and acknowledges them, then
+        gives its partitions and its membership back.
+
+        Raises:
+            RuntimeError: no handler is registered, or ``run()`` is already running.
+        """
+        handler = self._handler
+        if handler is None:
+            raise RuntimeError(f"stream {self.name!r} has no handler: decorate one with consumer()")
+        if self._stopping is not None:
+            raise RuntimeError(f"stream {self.name!r} is already running")
+        stopping = self._stopping = asyncio.Event()
+        queue = KeyedSerialQueue(observer=self._observer)
+        try:
+            while not stopping.is_set():
+                await self._rebalance(handler, queue)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), self.lease / 3)
+        finally:
+            await self._leave()
+            self._stopping = None
+
+    async def _rebalance(self, handler: Handler, queue: KeyedSerialQueue) -> None:
+        """Renew membership, then start serving the partitions now ours and hand off the rest."""
+        try:
+            members = await self._source.members(self.member, self.lease)
+        except (RedisError, ConnectionError, TimeoutError) as exc:
+            logger.warning("stream %r: membership not renewed (%s)", self.name, exc)
+            return
+        mine = assigned(self.partitions, members, self.member)
+        for partition in mine - self._slots.keys():
+            slot = self._slots[partition] = _Slot()
+            slot.task = asyncio.get_running_loop().create_task(
+                self._serve(partition, slot, handler, queue)
+            )
+        for partition, slot in list(self._slots.items()):
+            if partition not in mine:
+                self._let_go(slot)
+            if slot.task is not None and slot.task.done():
+                del self._slots[partition]
+
+    def _let_go(self, slot: _Slot) -> None:
+        slot.stop.set()
+        if not slot.owning and slot.task is not None:
+            slot.task.cancel()  # still waiting for the partition: withdraw
+
+    async def _serve(
+        self, partition: int, slot: _Slot, handler: Handler, queue: KeyedSerialQueue
+    ) -> None:
+        """Wait for the partition, serve it; after a lost lease or a broker error, again."""
+        while not slot.stop.is_set():
+            try:
+                async with self._source.own(partition) as fence:
+                    slot.owning = True
+                    worker = PartitionWorker(
+                        self._source,
+                        partition,
+                        fence,
+                        self.member,
+                        handler,
+                        queue,
+                        self._in_flight,
+                        self._counts,
+                        self._max_attempts,
+                        self._retry_delay,
+                    )
+                    await worker.run(slot.stop, self._drain_timeout)
+            except (LeaseLost, PartitionLost) as exc:
+                self._counts.ownerships_lost += 1
+                logger.warning("stream %r: partition %d lost (%s)", self.name, partition, exc)
+            except (RedisError, ConnectionError, TimeoutError) as exc:
+                logger.warning("stream %r: partition %d: %s", self.name, partition, exc)
+                await asyncio.sleep(RETRY_BROKER)
+            finally:
+                slot.owning = False
+
+    async def _leave(self) -> None:
+        """Hand every partition back (running handlers drain), then leave the members."""
+        slots = list(self._slots.values())
+        for slot in slots:
+            self._let_go(slot)
+        tasks = [slot.task for slot in slots if slot.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._slots.clear()
+        with contextlib.suppress(RedisError, ConnectionError, TimeoutError):
+            await self._source.members(self.member, self.lease, leaving=True)
+
+    async def aclose(self) -> None:
+        """Give back the connections the stream keeps (after ``run()`` returned)."""
+        await self._source.aclose()
