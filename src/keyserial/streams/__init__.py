@@ -10,6 +10,7 @@ handlers and ``stats()`` see).
 """
 
 from ._message import DeadLetter, StreamMessage, StreamStats
+from ._redis_source import RedisStreamSource
 from ._source import Entry, PartitionLost, StreamSource
 from ._stream import KeyedStream
 
@@ -18,6 +19,7 @@ __all__ = [
     "Entry",
     "KeyedStream",
     "PartitionLost",
+    "RedisStreamSource",
     "StreamMessage",
     "StreamSource",
     "StreamStats",

@@ -24,6 +24,7 @@ from ..redis._names import base_name, encode_key, encoded_namespace
 from ..redis._queue import RedisKeyedQueue
 from ..redis._transport import LuaScript, ScriptRunner, text
 from . import _redis_scripts as scripts
+from ._message import DeadLetter
 from ._source import Entry, PartitionLost
 
 #: The field that carries a message's key; user fields may not use the ``keyserial.`` prefix.
@@ -151,6 +152,28 @@ class RedisStreamSource:
         for name, value in entry.fields.items():
             flat += [name, value]
         await self._script(self._dead, partition, fence, entry.id, entry.deliveries, error, *flat)
+
+    async def dead_letters(self, partition: int, count: int) -> Sequence[DeadLetter]:
+        found: list[DeadLetter] = []
+        rows: Any = await self._client.xrange(self.dead_letter_name(partition), count=count)
+        for dead_id, flat in rows:
+            entry = _entry([dead_id, [part for pair in flat.items() for part in pair]], 1)
+            fields = dict(entry.fields)
+            found.append(
+                DeadLetter(
+                    entry.key,
+                    {
+                        name: value
+                        for name, value in fields.items()
+                        if not name.startswith(RESERVED_PREFIX)
+                    },
+                    fields["keyserial.id"],
+                    partition,
+                    fields["keyserial.error"],
+                    entry.id,
+                )
+            )
+        return found
 
     async def members(self, member: str, ttl: float, *, leaving: bool = False) -> list[str]:
         reply = await self._runner.call(

@@ -11,6 +11,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+from ._message import DeadLetter
+
 
 class PartitionLost(Exception):
     """The broker refused a fenced request: another owner holds the partition now."""
@@ -80,6 +82,10 @@ class StreamSource(Protocol):
 
     async def dead_letter(self, partition: int, fence: int, entry: Entry, error: str) -> None:
         """Move ``entry`` with ``error`` to the dead letters, acknowledging it."""
+        ...
+
+    async def dead_letters(self, partition: int, count: int) -> Sequence[DeadLetter]:
+        """Up to ``count`` of ``partition``'s dead letters, oldest first."""
         ...
 
     async def members(self, member: str, ttl: float, *, leaving: bool = False) -> list[str]:

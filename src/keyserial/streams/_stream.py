@@ -21,7 +21,7 @@ from .._observer import QueueObserver
 from .._queue import KeyedSerialQueue
 from ..redis._queue import MIN_LEASE
 from ._assignment import assigned
-from ._message import StreamCounts, StreamMessage, StreamStats
+from ._message import DeadLetter, StreamCounts, StreamMessage, StreamStats
 from ._partition import Handler, InFlight, PartitionWorker
 from ._redis_source import RedisStreamSource, Value
 from ._source import PartitionLost, StreamSource
@@ -219,6 +219,17 @@ class KeyedStream:
             counts.ownerships_lost,
             {p: lag for p, lag in counts.lag.items() if p in owned},
         )
+
+    async def dead_letters(self, count: int = 100) -> list[DeadLetter]:
+        """Up to ``count`` dead letters of each partition, partition by partition, oldest first.
+
+        A dead letter stays until deleted from its partition's dead-letter stream
+        (``XDEL``, or ``XTRIM`` to keep the newest).
+        """
+        found: list[DeadLetter] = []
+        for partition in range(self.partitions):
+            found += await self._source.dead_letters(partition, count)
+        return found
 
     def stop(self) -> None:
         """Ask ``run()`` to stop reading, let running handlers finish, and return."""

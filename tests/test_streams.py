@@ -1,0 +1,380 @@
+"""KeyedStream against a private redis-server: order, acks, retries, dead letters, takeover."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as redis
+
+from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage
+
+from .redis_helpers import Clients, until
+
+pytestmark = pytest.mark.asyncio
+
+LEASE = 1.0
+
+#: Makes a KeyedStream named "s" (one per simulated consumer), each on a client of its own.
+Streams = Callable[..., KeyedStream]
+
+
+@pytest_asyncio.fixture
+async def streams(clients: Clients) -> AsyncIterator[Streams]:
+    made: list[KeyedStream] = []
+
+    def make(partitions: int = 4, lease: float = LEASE) -> KeyedStream:
+        made.append(KeyedStream(clients(), "s", partitions, lease=lease))
+        return made[-1]
+
+    yield make
+    for stream in made:
+        stream.stop()
+    for stream in made:
+        await stream.aclose()
+
+
+class Running:
+    """``run()`` of each stream as a task; stops them all (gracefully) at the end."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[KeyedStream, asyncio.Task[None]] = {}
+
+    def start(self, stream: KeyedStream) -> None:
+        self.tasks[stream] = asyncio.create_task(stream.run())
+
+    async def stop(self, stream: KeyedStream) -> None:
+        stream.stop()
+        await self.tasks.pop(stream)
+
+    async def stop_all(self) -> None:
+        for stream in list(self.tasks):
+            await self.stop(stream)
+
+
+@pytest_asyncio.fixture
+async def running() -> AsyncIterator[Running]:
+    runs = Running()
+    yield runs
+    await runs.stop_all()
+
+
+async def pending(client: redis.Redis, stream: KeyedStream, partition: int) -> list[str]:
+    """The ids read from ``partition`` and not acknowledged yet."""
+    rows: Any = await client.xpending_range(
+        redis_names(stream).stream_name(partition), "keyserial", "-", "+", 1000
+    )
+    return [row["message_id"].decode() for row in rows]
+
+
+def redis_names(stream: KeyedStream) -> RedisStreamSource:
+    """The Redis source behind ``stream``, which names its keys."""
+    source = stream.source
+    assert isinstance(source, RedisStreamSource)
+    return source
+
+
+async def test_same_key_in_stream_order_different_keys_concurrently(
+    streams: Streams, running: Running
+) -> None:
+    stream = streams()
+    log: list[tuple[str, str, int]] = []
+    a_may_finish = asyncio.Event()
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        n = int(message.fields["n"])
+        log.append(("start", str(message.key), n))
+        if message.key == "a" and n == 0:
+            await a_may_finish.wait()
+        log.append(("end", str(message.key), n))
+
+    for n in range(3):
+        await stream.publish("a", {"n": n})
+    await stream.publish("b", {"n": 0})
+    running.start(stream)
+    # b runs to its end while a's first message is held; a's later messages wait for it.
+    await until(lambda: ("end", "b", 0) in log, "b handled while a is held")
+    assert [entry for entry in log if entry[1] == "a"] == [("start", "a", 0)]
+    a_may_finish.set()
+    await until(lambda: ("end", "a", 2) in log, "all of a handled")
+    assert [entry for entry in log if entry[1] == "a"] == [
+        (edge, "a", n) for n in range(3) for edge in ("start", "end")
+    ]
+
+
+async def test_a_message_is_acknowledged_after_its_handler_and_before_its_key_moves_on(
+    streams: Streams, clients: Clients, running: Running
+) -> None:
+    stream = streams(partitions=1)
+    client = clients()
+    first_may_finish = asyncio.Event()
+    seen_pending: list[list[str]] = []
+    ids: list[str] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        seen_pending.append(await pending(client, stream, 0))
+        if message.id == ids[0]:
+            await first_may_finish.wait()
+
+    ids.append(await stream.publish("k", {"n": 1}))
+    ids.append(await stream.publish("k", {"n": 2}))
+    running.start(stream)
+    await until(lambda: len(seen_pending) == 1, "first handler started")
+    # Read, running: pending (not acknowledged) while its handler has not returned.
+    assert ids[0] in await pending(client, stream, 0)
+    first_may_finish.set()
+    await until(lambda: len(seen_pending) == 2, "second handler started")
+    # When the key's next message starts, the first one's ack is already in Redis.
+    assert ids[0] not in seen_pending[1]
+    await until(lambda: stream.stats().handled == 2, "both handled")
+    assert await pending(client, stream, 0) == []
+
+
+async def test_a_failing_handler_is_retried_while_its_key_waits_and_other_keys_go_on(
+    streams: Streams, running: Running
+) -> None:
+    stream = streams()
+    log: list[tuple[str, int]] = []
+
+    @stream.consumer(max_attempts=3, retry_delay=0.01)
+    async def handle(message: StreamMessage) -> None:
+        log.append((str(message.key), message.attempt))
+        if message.key == "flaky" and message.fields["n"] == "0" and message.attempt < 3:
+            raise RuntimeError("not yet")
+
+    await stream.publish("flaky", {"n": 0})
+    await stream.publish("flaky", {"n": 1})
+    await stream.publish("other", {"n": 0})
+    running.start(stream)
+    await until(lambda: stream.stats().handled == 3, "all handled")
+    flaky = [attempt for key, attempt in log if key == "flaky"]
+    assert flaky == [1, 2, 3, 1]  # the second message waited for the first's three attempts
+    stats = stream.stats()
+    assert (stats.retries, stats.failed_attempts, stats.dead_lettered) == (2, 2, 0)
+
+
+async def test_after_max_attempts_a_message_is_dead_lettered_and_its_key_moves_on(
+    streams: Streams, clients: Clients, running: Running
+) -> None:
+    stream = streams(partitions=1)
+    handled: list[str] = []
+
+    @stream.consumer(max_attempts=2, retry_delay=0)
+    async def handle(message: StreamMessage) -> None:
+        if message.fields["kind"] == "poison":
+            raise ValueError(f"cannot parse {message.fields['text']!r}")
+        handled.append(message.fields["text"])
+
+    poison = await stream.publish(("seg", 1), {"kind": "poison", "text": "???"})
+    await stream.publish(("seg", 1), {"kind": "final", "text": "hello"})
+    running.start(stream)
+    await until(lambda: handled == ["hello"], "the next message of the key handled")
+    [dead] = await stream.dead_letters()
+    assert (dead.key, dead.id, dead.partition) == (("seg", 1), poison, 0)
+    assert dead.fields == {"kind": "poison", "text": "???"}
+    assert dead.error == "ValueError: cannot parse '???'"
+    assert stream.stats().dead_lettered == 1
+    assert await pending(clients(), stream, 0) == []  # dead-lettered means acknowledged
+
+
+async def test_a_new_owner_first_finishes_the_previous_owners_unacknowledged_messages(
+    streams: Streams, clients: Clients, running: Running
+) -> None:
+    stream = streams(partitions=1)
+    client = clients()
+    name = redis_names(stream).stream_name(0)
+    for n in range(3):
+        await stream.publish("k", {"n": n})
+    # An earlier owner read the first two and died before acknowledging them.
+    await client.xgroup_create(name, "keyserial", id="0", mkstream=True)
+    await client.xreadgroup("keyserial", "dead-owner", {name: ">"}, count=2)
+    await stream.publish("k", {"n": 3})
+    log: list[tuple[int, int]] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        log.append((int(message.fields["n"]), message.deliveries))
+
+    running.start(stream)
+    await until(lambda: len(log) == 4, "all four handled")
+    assert log == [(0, 2), (1, 2), (2, 1), (3, 1)]
+    # The dead owner's name leaves the group once nothing is pending under it.
+    consumers: Any = await client.xinfo_consumers(name, "keyserial")
+    assert b"dead-owner" not in [consumer["name"] for consumer in consumers]
+
+
+async def test_an_owner_that_lost_its_partition_cannot_acknowledge_and_the_message_runs_again(
+    streams: Streams, clients: Clients, running: Running
+) -> None:
+    stream = streams(partitions=1)
+    client = clients()
+    holder = redis_names(stream).stream_name(0).removesuffix(":stream") + ":holder"
+    steal = asyncio.Event()
+    runs: list[tuple[int, int]] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        runs.append((message.fence, message.deliveries))
+        if len(runs) == 1:
+            # Another owner took the partition while this handler ran (its lease ran out).
+            await client.set(holder, "1@elsewhere:" + str(message.fence + 1), px=200)
+            steal.set()
+
+    await stream.publish("k", {"n": 0})
+    running.start(stream)
+    await until(lambda: len(runs) == 2, "the message ran again under a new ownership")
+    assert steal.is_set()
+    (first_fence, first_deliveries), (second_fence, second_deliveries) = runs
+    assert (first_deliveries, second_deliveries) == (1, 2)  # the fenced ack was refused
+    assert second_fence > first_fence + 1
+    assert stream.stats().ownerships_lost >= 1
+    await until(lambda: stream.stats().handled == 1, "acknowledged by the new ownership")
+
+
+async def test_reading_stops_while_max_in_flight_messages_are_unfinished(
+    streams: Streams, clients: Clients, running: Running
+) -> None:
+    stream = streams(partitions=1)
+    release = asyncio.Event()
+    started: list[str] = []
+
+    @stream.consumer(max_in_flight=3)
+    async def handle(message: StreamMessage) -> None:
+        started.append(str(message.key))
+        await release.wait()
+
+    for n in range(10):
+        await stream.publish(f"key-{n}", {"n": n})
+    running.start(stream)
+    await until(lambda: len(started) == 3, "three handlers running")
+    await asyncio.sleep(LEASE / 2)  # time for reads that must not happen
+    assert len(started) == 3
+    assert len(await pending(clients(), stream, 0)) == 3  # the others were not even read
+    assert stream.stats().in_flight == 3
+    release.set()
+    await until(lambda: stream.stats().handled == 10, "all handled")
+
+
+async def test_stop_lets_running_handlers_finish_acknowledges_them_and_gives_everything_back(
+    streams: Streams, clients: Clients, running: Running
+) -> None:
+    stream = streams(partitions=2)
+    client = clients()
+    started, may_finish = asyncio.Event(), asyncio.Event()
+    finished: list[str] = []
+
+    @stream.consumer(drain_timeout=30)
+    async def handle(message: StreamMessage) -> None:
+        started.set()
+        await may_finish.wait()
+        finished.append(message.id)
+
+    message_id = await stream.publish("k", {"n": 0})
+    running.start(stream)
+    await started.wait()
+    stream.stop()
+    await asyncio.sleep(0.05)
+    assert not running.tasks[stream].done()  # draining: the handler is still running
+    may_finish.set()
+    await running.stop(stream)
+    assert finished == [message_id]
+    partition = stream.partition_of("k")
+    assert await pending(client, stream, partition) == []
+    # Nothing of the consumer is left: no owner, no membership.
+    names = [name.decode() if isinstance(name, bytes) else name for name in await client.keys("*")]
+    assert not [name for name in names if name.endswith((":holder", ":members"))]
+
+
+async def test_consumers_share_partitions_evenly_and_take_them_back_when_one_leaves(
+    streams: Streams, running: Running
+) -> None:
+    first, second = streams(partitions=8), streams(partitions=8)
+    handled: dict[KeyedStream, list[str]] = {first: [], second: []}
+    for stream in (first, second):
+
+        @stream.consumer(drain_timeout=5)
+        async def handle(message: StreamMessage, stream: KeyedStream = stream) -> None:
+            handled[stream].append(message.id)
+
+    running.start(first)
+    await until(lambda: len(first.stats().partitions) == 8, "first owns all", seconds=10)
+    running.start(second)
+    await until(
+        lambda: len(first.stats().partitions) == len(second.stats().partitions) == 4,
+        "four partitions each",
+        seconds=10,
+    )
+    assert set(first.stats().partitions) | set(second.stats().partitions) == set(range(8))
+    for n in range(40):
+        await first.publish(f"key-{n}", {"n": n})
+    await until(lambda: len(handled[first]) + len(handled[second]) == 40, "all handled")
+    assert handled[first] and handled[second]
+    await running.stop(second)
+    await until(lambda: len(first.stats().partitions) == 8, "first owns all again", seconds=10)
+
+
+async def test_keys_keep_their_type_and_fields_arrive_as_text(
+    streams: Streams, running: Running
+) -> None:
+    stream = streams()
+    got: list[tuple[object, dict[str, str]]] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        got.append((message.key, dict(message.fields)))
+
+    keys: list[Any] = ["1", 1, b"1", ("1",), ("seg", 7, b"\xff")]
+    for key in keys:
+        await stream.publish(key, {"text": "é", "raw": b"\xff", "n": 3, "x": 0.5})
+    running.start(stream)
+    await until(lambda: len(got) == len(keys), "all handled")
+    assert sorted(map(repr, (key for key, _ in got))) == sorted(map(repr, keys))
+    assert got[0][1] == {"text": "é", "raw": "\udcff", "n": "3", "x": "0.5"}
+
+
+async def test_bad_input_is_refused_with_what_was_wrong(streams: Streams, clients: Clients) -> None:
+    stream = streams()
+    with pytest.raises(TypeError, match="must be str, bytes, int or tuples of them, not float"):
+        await stream.publish(1.5, {"n": 1})
+    with pytest.raises(ValueError, match=r"'keyserial\.' are reserved"):
+        await stream.publish("k", {"keyserial.key": "x"})
+    with pytest.raises(TypeError, match="field 'n' must be str, bytes, int or float, not NoneType"):
+        await stream.publish("k", {"n": None})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="field 'n' is not a finite number"):
+        await stream.publish("k", {"n": float("nan")})
+    with pytest.raises(ValueError, match="partitions must be a positive int, got 0"):
+        KeyedStream(clients(), "s", 0)
+    with pytest.raises(ValueError, match=r"lease must be a finite number of seconds >= 0\.1"):
+        KeyedStream(clients(), "s", lease=0.01)
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        KeyedStream(clients(), "")
+    with pytest.raises(RuntimeError, match="has no handler"):
+        await stream.run()
+    with pytest.raises(ValueError, match="max_in_flight must be a positive int, got 0"):
+        stream.consumer(max_in_flight=0)
+
+    def not_async(message: StreamMessage) -> None: ...
+
+    with pytest.raises(TypeError, match="must be an async def function"):
+        stream.consumer()(not_async)  # type: ignore[type-var]
+
+    async def handler(message: StreamMessage) -> None: ...
+
+    stream.consumer()(handler)
+    with pytest.raises(ValueError, match="already has a handler"):
+        stream.consumer()(handler)
+
+
+async def test_partitions_are_stable_and_cover_every_partition(streams: Streams) -> None:
+    stream = streams(partitions=16)
+    # A stable hash: the same as in every other process and release (pinned values).
+    assert [stream.partition_of(f"seg-{n}") for n in range(8)] == PINNED_PARTITIONS
+    assert {stream.partition_of(n) for n in range(2000)} == set(range(16))
+
+
+PINNED_PARTITIONS = [1, 11, 13, 10, 0, 4, 2, 12]
