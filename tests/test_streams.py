@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -378,3 +378,32 @@ async def test_partitions_are_stable_and_cover_every_partition(streams: Streams)
 
 
 PINNED_PARTITIONS = [1, 11, 13, 10, 0, 4, 2, 12]
+
+
+async def test_a_failed_ack_holds_the_key_until_the_message_is_run_again_first(
+    streams: Streams, running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = streams(partitions=1)
+    source = redis_names(stream)
+    real_ack = source.ack
+    failures = [ConnectionError("Redis went away during the ack")]
+
+    async def ack_failing_once(partition: int, fence: int, ids: Sequence[str]) -> int:
+        if failures:
+            raise failures.pop()
+        return await real_ack(partition, fence, ids)
+
+    monkeypatch.setattr(source, "ack", ack_failing_once)
+    starts: list[tuple[str, int]] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        starts.append((message.fields["n"], message.deliveries))
+
+    await stream.publish("k", {"n": "first"})
+    await stream.publish("k", {"n": "second"})
+    running.start(stream)
+    await until(lambda: stream.stats().handled == 2, "both handled")
+    # The unacknowledged first message ran again before the second one ever started (the
+    # second was read by the first ownership too, so it comes as a second delivery).
+    assert starts == [("first", 1), ("first", 2), ("second", 2)]

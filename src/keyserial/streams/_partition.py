@@ -155,7 +155,8 @@ class PartitionWorker:
         try:
             await self._take_over(stop)
             await self._read(stop)
-            await self._drain(drain_timeout)
+            if self.failure is None:
+                await self._drain(drain_timeout)
         finally:
             await self._cancel_handlers()
         if self.failure is not None:
@@ -220,12 +221,38 @@ class PartitionWorker:
     def _finished(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
         self.in_flight.release()
-        if not task.cancelled() and task.exception() is not None and self.failure is None:
-            self.failure = task.exception()
-            self._wake.set()
+        if not task.cancelled() and task.exception() is not None:
+            self._fail(task.exception())  # type: ignore[arg-type]
 
     async def _handle(self, entry: Entry) -> None:
-        """Run ``entry`` in its key's turn: retried, then acknowledged or dead-lettered."""
+        """Run ``entry`` in its key's turn: retried, then acknowledged or dead-lettered.
+
+        If the ack or the dead letter fails, the key's turn is *not* given up: the next
+        message of the key must not start while this one may still run again (it is
+        unacknowledged). The worker stops instead, and a new ownership replays the message
+        first.
+        """
+        error = await self._attempts(entry)
+        try:
+            if error is None:
+                await self.acks.ack(entry.id)
+                self.counts.handled += 1
+            else:
+                await self.source.dead_letter(self.partition, self.fence, entry, error)
+                self.counts.dead_lettered += 1
+                logger.warning(
+                    "message %s of key %r dead-lettered after %d attempts: %s",
+                    entry.id,
+                    entry.key,
+                    self.max_attempts,
+                    error,
+                )
+        except Exception as exc:
+            self._fail(exc)
+            await asyncio.get_running_loop().create_future()  # held until the worker ends
+
+    async def _attempts(self, entry: Entry) -> str | None:
+        """Run the handler up to ``max_attempts`` times; None once it succeeded, else the error."""
         for attempt in range(1, self.max_attempts + 1):
             message = StreamMessage(
                 entry.key,
@@ -241,24 +268,19 @@ class PartitionWorker:
             except Exception as exc:
                 self.counts.failed_attempts += 1
                 if attempt == self.max_attempts:
-                    error = f"{type(exc).__name__}: {exc}"
-                    await self.source.dead_letter(self.partition, self.fence, entry, error)
-                    self.counts.dead_lettered += 1
-                    logger.warning(
-                        "message %s of key %r dead-lettered after %d attempts: %s",
-                        entry.id,
-                        entry.key,
-                        attempt,
-                        error,
-                    )
-                    return
+                    return f"{type(exc).__name__}: {exc}"
                 self.counts.retries += 1
                 if self.retry_delay:
                     await asyncio.sleep(self.retry_delay * 2 ** (attempt - 1))
             else:
-                await self.acks.ack(entry.id)
-                self.counts.handled += 1
-                return
+                return None
+        raise AssertionError("unreachable: max_attempts >= 1")
+
+    def _fail(self, exc: BaseException) -> None:
+        """Stop the worker with ``exc`` (the first failure wins)."""
+        if self.failure is None:
+            self.failure = exc
+            self._wake.set()
 
     async def _drain(self, drain_timeout: float) -> None:
         """Let the handlers started here finish and be acknowledged, for ``drain_timeout``."""
