@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from .redis_server import RedisServer
 from .scheduling import settle
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -184,3 +185,18 @@ def test_postgres_transcripts_stale_rows_without_keyserial_none_with_the_check(
     # Serialized, the check only refuses the few writes overtaken across processes.
     assert results["@serialized + check"]["stale"] == 0
     assert results["@serialized + check"]["refused"] < results["revision check"]["refused"]
+
+
+def test_stream_pipeline_ends_with_every_segment_final_only_with_keyed_stream(
+    redis_server: RedisServer,
+) -> None:
+    command = [
+        sys.executable, str(EXAMPLES / "stream_pipeline.py"),
+        "--segments", "40", "--url", redis_server.url,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=90, check=True)
+    rows = {line[:16].strip(): line[16:].split() for line in result.stdout.splitlines()[1:]}
+    segments, final, not_final, runs = map(int, rows["KeyedStream"])
+    assert (segments, final, not_final) == (40, 40, 0)
+    assert runs >= 120  # every update ran; more after the kill, never fewer
+    assert int(rows["consumer group"][2]) > 0  # stale or lost segments without it

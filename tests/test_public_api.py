@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import keyserial
+import keyserial.streams
 
 from .public_api import public_api
 
@@ -35,8 +36,10 @@ def _public_members(obj: object) -> list[tuple[str, object]]:
 
 def test_every_public_name_and_method_has_a_docstring() -> None:
     missing = []
-    for name in keyserial.__all__:
-        obj = getattr(keyserial, name)
+    for module, name in [(keyserial, name) for name in keyserial.__all__] + [
+        (keyserial.streams, name) for name in keyserial.streams.__all__
+    ]:
+        obj = getattr(module, name)
         if not (inspect.getdoc(obj) or "").strip():
             missing.append(name)
         for member_name, member in _public_members(obj):

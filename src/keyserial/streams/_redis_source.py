@@ -25,7 +25,7 @@ from ..redis._queue import RedisKeyedQueue
 from ..redis._transport import LuaScript, ScriptRunner, text
 from . import _redis_scripts as scripts
 from ._message import DeadLetter
-from ._source import Entry, PartitionLost
+from ._source import Entry, PartitionLost, StreamSource
 
 #: The field that carries a message's key; user fields may not use the ``keyserial.`` prefix.
 KEY_FIELD = "keyserial.key"
@@ -38,7 +38,7 @@ def _as_text(value: object) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
 
 
-class RedisStreamSource:
+class RedisStreamSource(StreamSource):
     """Partitions of one keyed stream in Redis (see the module docstring).
 
     Raises:
