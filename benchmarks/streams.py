@@ -252,23 +252,66 @@ async def run_keyserial(
     return elapsed, latencies
 
 
+async def holders(client: Any, source: RedisStreamSource) -> dict[str, int]:
+    """How many partitions each owner (named by its grant listener) holds now."""
+    found: dict[str, int] = {}
+    for partition in range(PARTITIONS):
+        base = source.stream_name(partition).removesuffix(":stream")
+        holder = await client.get(base + ":holder")
+        if holder is not None:
+            ticket = holder.decode().rsplit(":", 1)[0]
+            owner = ticket.split("@", 1)[1]
+            found[owner] = found.get(owner, 0) + 1
+    return found
+
+
 async def until_spread(client: Any, source: RedisStreamSource, processes: int) -> None:
     """Wait until the consumers hold every partition, spread evenly (no rebalance in the run)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        holders: dict[str, int] = {}
-        for partition in range(PARTITIONS):
-            base = source.stream_name(partition).removesuffix(":stream")
-            holder = await client.get(base + ":holder")
-            if holder is not None:
-                ticket = holder.decode().rsplit(":", 1)[0]
-                owner = ticket.split("@", 1)[1]
-                holders[owner] = holders.get(owner, 0) + 1
-        spread = holders and max(holders.values()) - min(holders.values()) <= 1
-        if sum(holders.values()) == PARTITIONS and len(holders) == processes and spread:
+        holders_now = await holders(client, source)
+        counts = holders_now.values()
+        spread = bool(holders_now) and max(counts) - min(counts) <= 1
+        if sum(counts) == PARTITIONS and len(holders_now) == processes and spread:
             return
         await asyncio.sleep(0.05)
     raise SystemExit("the consumers did not spread over the partitions in 60 s")
+
+
+async def takeover_seconds(port: int) -> float:
+    """Two consumers share the partitions; one is killed: seconds until the other holds all."""
+    client: Any = redis_asyncio.Redis(port=port)
+    await client.flushall()
+    source = keyed_stream(client).source
+    assert isinstance(source, RedisStreamSource)
+    children = [
+        subprocess.Popen(  # noqa: ASYNC220  # started before the timed part
+            [sys.executable, "-m", "benchmarks.streams", "--consume", str(port)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        await until_spread(client, source, 2)
+        children[0].kill()
+        killed = time.monotonic()
+        while True:
+            now = await holders(client, source)
+            if len(now) == 1 and sum(now.values()) == PARTITIONS:
+                return time.monotonic() - killed
+            if time.monotonic() - killed > 10 * LEASE:
+                raise SystemExit("the partitions of a killed consumer were not taken over")
+            await asyncio.sleep(0.01)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.communicate()
+        await client.aclose()
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -323,6 +366,7 @@ def main() -> int:
             throughput[variant] = messages / elapsed
             _, latencies = measure(port, variant, latency_messages, rate)
             latency[variant] = (statistics.median(latencies), percentile(latencies, 0.99))
+        takeovers = [asyncio.run(takeover_seconds(port)) for _ in range(1 if options.quick else 3)]
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=10)
@@ -355,6 +399,9 @@ def main() -> int:
         f"({'met' if one / sequential >= 10 else 'missed'})",
         f"- keyserial, four processes ÷ one process: {four / one:.2f} on {os.cpu_count()} CPUs "
         "(linear would be 4; the processes share the CPUs with each other and Redis)",
+        f"- a killed consumer's partitions taken over after {statistics.median(takeovers):.2f} s "
+        f"(median of {len(takeovers)}; lease {LEASE:.0f} s): "
+        f"{statistics.median(takeovers) / LEASE:.2f} leases",
     ]
     print("\n".join(lines))
     return 0

@@ -349,7 +349,7 @@ async def test_bad_input_is_refused_with_what_was_wrong(streams: Streams, client
         await stream.publish("k", {"n": float("nan")})
     with pytest.raises(ValueError, match="partitions must be a positive int, got 0"):
         KeyedStream(clients(), "s", 0)
-    with pytest.raises(ValueError, match=r"lease must be a finite number of seconds >= 0\.1"):
+    with pytest.raises(ValueError, match=r"lease must be a finite number of seconds >= 0\.2"):
         KeyedStream(clients(), "s", lease=0.01)
     with pytest.raises(ValueError, match="name must be a non-empty string"):
         KeyedStream(clients(), "")

@@ -19,7 +19,6 @@ from redis.exceptions import RedisError
 from .._errors import LeaseLost
 from .._observer import QueueObserver
 from .._queue import KeyedSerialQueue
-from ..redis._queue import MIN_LEASE
 from ._assignment import assigned
 from ._message import DeadLetter, StreamCounts, StreamMessage, StreamStats
 from ._partition import Handler, InFlight, PartitionWorker
@@ -32,6 +31,12 @@ logger = logging.getLogger("keyserial.streams")
 
 #: Seconds to wait before asking a broker that failed again.
 RETRY_BROKER = 0.5
+#: The shortest ``lease`` accepted, in seconds.
+MIN_STREAM_LEASE = 0.2
+#: A dead consumer is taken over within ``lease``: its partitions' own leases and its
+#: membership last this share of it, and a waiting owner or a rebalance looks again every
+#: fifth of that, so the last look falls before ``lease`` has passed.
+OWNERSHIP_SHARE = 0.6
 
 
 class _Slot:
@@ -66,7 +71,7 @@ class KeyedStream:
       [StreamMessage.fence][keyserial.streams.StreamMessage] lets a store refuse the
       stale owner's writes;
     * consumers share the partitions evenly, and a dead consumer's partitions are taken
-      over within about one lease;
+      over within ``lease`` seconds;
     * reading stops while ``max_in_flight`` messages are unfinished.
 
     Args:
@@ -74,13 +79,14 @@ class KeyedStream:
         name: the stream's name; producers and consumers use the same one.
         partitions: how many partitions; fixed for the stream's life (it decides
             where each key's messages go), and the most consumers that can share the work.
-        lease: seconds a partition stays owned without renewal: how long a dead
-            consumer's partitions wait before another consumer takes them.
+        lease: seconds within which a dead consumer's partitions are taken over
+            by the others; at least 0.2. A consumer paused (or cut off from Redis)
+            for more than about half of it loses its partitions.
 
     Raises:
         TypeError: ``client`` is not a ``redis.asyncio.Redis``, or ``name`` not a str.
         ValueError: ``name`` is empty, ``partitions`` is not a positive int, or
-            ``lease`` is not a finite number of seconds of at least 0.1.
+            ``lease`` is not a finite number of seconds of at least 0.2.
 
     Example:
         ```python
@@ -103,12 +109,16 @@ class KeyedStream:
         *,
         lease: float = 10.0,
     ) -> None:
-        if not (isinstance(lease, (int, float)) and math.isfinite(lease) and lease >= MIN_LEASE):
+        if not (
+            isinstance(lease, (int, float)) and math.isfinite(lease) and lease >= MIN_STREAM_LEASE
+        ):
             raise ValueError(
-                f"lease must be a finite number of seconds >= {MIN_LEASE}, got {lease!r}"
+                f"lease must be a finite number of seconds >= {MIN_STREAM_LEASE}, got {lease!r}"
             )
-        self._source: StreamSource = RedisStreamSource(client, name, partitions, lease)
         self.lease = float(lease)
+        #: How long a partition's ownership and a consumer's membership last unrenewed.
+        self._held_for = OWNERSHIP_SHARE * self.lease
+        self._source: StreamSource = RedisStreamSource(client, name, partitions, self._held_for)
         self.name = name
         self.member = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._handler: Handler | None = None
@@ -257,7 +267,7 @@ class KeyedStream:
             while not stopping.is_set():
                 await self._rebalance(handler, queue)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stopping.wait(), self.lease / 3)
+                    await asyncio.wait_for(stopping.wait(), self._held_for / 5)
         finally:
             await self._leave()
             self._stopping = None
@@ -265,7 +275,7 @@ class KeyedStream:
     async def _rebalance(self, handler: Handler, queue: KeyedSerialQueue) -> None:
         """Renew membership, then start serving the partitions now ours and hand off the rest."""
         try:
-            members = await self._source.members(self.member, self.lease)
+            members = await self._source.members(self.member, self._held_for)
         except (RedisError, ConnectionError, TimeoutError) as exc:
             logger.warning("stream %r: membership not renewed (%s)", self.name, exc)
             return
@@ -326,7 +336,7 @@ class KeyedStream:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._slots.clear()
         with contextlib.suppress(RedisError, ConnectionError, TimeoutError):
-            await self._source.members(self.member, self.lease, leaving=True)
+            await self._source.members(self.member, self._held_for, leaving=True)
 
     async def aclose(self) -> None:
         """Give back the connections the stream keeps (after ``run()`` returned)."""
