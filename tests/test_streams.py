@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from typing import Any
 
 import pytest
 import pytest_asyncio
 import redis.asyncio as redis
 
+from keyserial import QueueObserver
+from keyserial._observer import Outcome
 from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage
 
 from .redis_helpers import Clients, until
@@ -97,6 +99,7 @@ async def test_same_key_in_stream_order_different_keys_concurrently(
     await stream.publish("b", {"n": 0})
     running.start(stream)
     # b runs to its end while a's first message is held; a's later messages wait for it.
+    await until(lambda: ("start", "a", 0) in log, "a's first message started")
     await until(lambda: ("end", "b", 0) in log, "b handled while a is held")
     assert [entry for entry in log if entry[1] == "a"] == [("start", "a", 0)]
     a_may_finish.set()
@@ -407,3 +410,31 @@ async def test_a_failed_ack_holds_the_key_until_the_message_is_run_again_first(
     # The unacknowledged first message ran again before the second one ever started (the
     # second was read by the first ownership too, so it comes as a second delivery).
     assert starts == [("first", 1), ("first", 2), ("second", 2)]
+
+
+async def test_the_observer_sees_each_message_under_its_key_and_the_handlers_name(
+    streams: Streams, running: Running
+) -> None:
+    stream = streams()
+    finished: list[tuple[object, str, str]] = []
+
+    class Finishes(QueueObserver):
+        def on_finish(
+            self, key: Hashable, function: str, waited: float, ran: float | None, outcome: Outcome
+        ) -> None:
+            finished.append((key, function, outcome))
+
+    @stream.consumer(observer=Finishes(), max_attempts=1)
+    async def handle(message: StreamMessage) -> None:
+        if message.fields["ok"] == "no":
+            raise ValueError("refused")
+
+    await stream.publish("a", {"ok": "yes"})
+    await stream.publish("b", {"ok": "no"})  # fails once, then is dead-lettered: the turn completes
+    running.start(stream)
+    await until(lambda: len(finished) == 2, "both finished")
+    name = handle.__qualname__
+    assert sorted(map(repr, finished)) == sorted(
+        [repr(("a", name, "completed")), repr(("b", name, "completed"))]
+    )
+    assert stream.stats().dead_lettered == 1

@@ -144,6 +144,7 @@ class PartitionWorker:
         self.acks = AckBatcher(source, partition, fence, counts)
         self.tasks: set[asyncio.Task[None]] = set()
         self.failure: BaseException | None = None
+        self._turn = _named_after(handler, self._handle)
         self._wake = asyncio.Event()
 
     async def run(self, stop: asyncio.Event, drain_timeout: float) -> None:
@@ -214,7 +215,7 @@ class PartitionWorker:
     def _dispatch(self, entries: Any) -> None:
         for entry in entries:
             self.in_flight.take(1)
-            task = self.queue.submit(entry.key, self._handle, entry)
+            task = self.queue.submit(entry.key, self._turn, entry)
             self.tasks.add(task)
             task.add_done_callback(self._finished)
 
@@ -302,3 +303,16 @@ class PartitionWorker:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         await self.acks.aclose()
+
+
+def _named_after(
+    handler: Handler, handle: Callable[[Entry], Awaitable[None]]
+) -> Callable[[Entry], Awaitable[None]]:
+    """``handle``, named after the user's handler: the queue's hooks and tasks show that name."""
+
+    async def turn(entry: Entry) -> None:
+        await handle(entry)
+
+    turn.__qualname__ = getattr(handler, "__qualname__", turn.__qualname__)
+    turn.__name__ = getattr(handler, "__name__", turn.__name__)
+    return turn
