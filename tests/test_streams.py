@@ -12,6 +12,7 @@ import redis.asyncio as redis
 
 from keyserial import QueueObserver
 from keyserial._observer import Outcome
+from keyserial.redis._transport import text
 from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage
 
 from .redis_helpers import Clients, until
@@ -438,3 +439,29 @@ async def test_the_observer_sees_each_message_under_its_key_and_the_handlers_nam
         [repr(("a", name, "completed")), repr(("b", name, "completed"))]
     )
     assert stream.stats().dead_lettered == 1
+
+
+async def test_entries_not_published_by_a_keyed_stream_are_dead_lettered_not_run(
+    streams: Streams, clients: Clients, running: Running
+) -> None:
+    stream = streams(partitions=1)
+    client = clients()
+    name = redis_names(stream).stream_name(0)
+    no_key = text(await client.xadd(name, {"text": "from elsewhere"}))
+    bad_key = text(await client.xadd(name, {"keyserial.key": "!!not base64!!", "text": "bad"}))
+    handled: list[str] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        handled.append(message.fields["text"])
+
+    await stream.publish("k", {"text": "good"})
+    running.start(stream)
+    await until(lambda: handled == ["good"], "the good message handled")
+    await until(lambda: stream.stats().dead_lettered == 2, "both others dead-lettered")
+    dead = {letter.id: letter for letter in await stream.dead_letters()}
+    assert set(dead) == {no_key, bad_key}
+    assert "not published by a KeyedStream" in dead[no_key].error
+    assert "not a key serialized by KeyedStream" in dead[bad_key].error
+    assert dead[bad_key].fields == {"text": "bad"}
+    assert await pending(client, stream, 0) == []

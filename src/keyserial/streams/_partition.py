@@ -233,7 +233,7 @@ class PartitionWorker:
         unacknowledged). The worker stops instead, and a new ownership replays the message
         first.
         """
-        error = await self._attempts(entry)
+        error = entry.malformed or await self._attempts(entry)
         try:
             if error is None:
                 await self.acks.ack(entry.id)
@@ -241,13 +241,7 @@ class PartitionWorker:
             else:
                 await self.source.dead_letter(self.partition, self.fence, entry, error)
                 self.counts.dead_lettered += 1
-                logger.warning(
-                    "message %s of key %r dead-lettered after %d attempts: %s",
-                    entry.id,
-                    entry.key,
-                    self.max_attempts,
-                    error,
-                )
+                logger.warning("message %s of key %r dead-lettered: %s", entry.id, entry.key, error)
         except Exception as exc:
             self._fail(exc)
             await asyncio.get_running_loop().create_future()  # held until the worker ends

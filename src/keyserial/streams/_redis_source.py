@@ -148,7 +148,9 @@ class RedisStreamSource(StreamSource):
         return int(reply[1])
 
     async def dead_letter(self, partition: int, fence: int, entry: Entry, error: str) -> None:
-        flat: list[str | int] = [KEY_FIELD, base64.b64encode(serialize_key(entry.key, "")).decode()]
+        flat: list[str | int] = []
+        if entry.malformed is None:
+            flat += [KEY_FIELD, base64.b64encode(serialize_key(entry.key, "")).decode()]
         for name, value in entry.fields.items():
             flat += [name, value]
         await self._script(self._dead, partition, fence, entry.id, entry.deliveries, error, *flat)
@@ -210,10 +212,17 @@ def _entry(raw: Sequence[Any], deliveries: int) -> Entry:
     flat = raw[1]
     fields: dict[str, str] = {}
     key: Hashable = None
+    malformed: str | None = f"no {KEY_FIELD} field: not published by a KeyedStream"
     for i in range(0, len(flat), 2):
         name = _as_text(flat[i])
         if name == KEY_FIELD:
-            key = deserialize_key(base64.b64decode(flat[i + 1]))
+            try:
+                key = deserialize_key(base64.b64decode(flat[i + 1], validate=True))
+            except ValueError as exc:  # binascii.Error is a ValueError
+                fields[name] = _as_text(flat[i + 1])  # kept as it was, for the dead letter
+                malformed = f"{KEY_FIELD} is not a key serialized by KeyedStream ({exc})"
+            else:
+                malformed = None
         else:
             fields[name] = _as_text(flat[i + 1])
-    return Entry(text(raw[0]), key, fields, deliveries)
+    return Entry(text(raw[0]), key, fields, deliveries, malformed)

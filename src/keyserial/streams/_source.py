@@ -20,12 +20,17 @@ class PartitionLost(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One message as the broker holds it: its id, key, fields and how often it was delivered."""
+    """One message as the broker holds it: its id, key, fields and how often it was delivered.
+
+    ``malformed`` says why an entry that was not published by a ``KeyedStream`` (no key, or
+    one that cannot be read) cannot be handled; such an entry is dead-lettered at once.
+    """
 
     id: str
     key: Hashable
     fields: Mapping[str, str]
     deliveries: int = 1
+    malformed: str | None = None
 
 
 class StreamSource(Protocol):

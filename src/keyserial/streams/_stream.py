@@ -323,6 +323,11 @@ class KeyedStream:
             except (RedisError, ConnectionError, TimeoutError) as exc:
                 logger.warning("stream %r: partition %d: %s", self.name, partition, exc)
                 await asyncio.sleep(RETRY_BROKER)
+            except Exception:
+                # Not the broker's: a bug. Logged with its traceback; the partition is
+                # served again rather than left without an owner for ever.
+                logger.exception("stream %r: partition %d failed", self.name, partition)
+                await asyncio.sleep(RETRY_BROKER)
             finally:
                 slot.owning = False
 
