@@ -44,6 +44,8 @@ HANDLER_SECONDS = 0.002
 PARTITIONS = 16
 LEASE = 2.0
 GROUP = "bench"
+#: Handlers each consumer runs at once in the scaling measurement that CPUs do not limit.
+BOUNDED_IN_FLIGHT = 4
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Handles one message (its key and fields); records its end-to-end latency.
@@ -171,13 +173,13 @@ def keyed_stream(client: Any) -> KeyedStream:
     return KeyedStream(client, "bench", PARTITIONS, lease=LEASE)
 
 
-async def consume_in_child(port: int) -> None:
+async def consume_in_child(port: int, max_in_flight: int) -> None:
     """A consumer process: run until SIGTERM, then print how many it handled and latencies."""
     client: Any = redis_asyncio.Redis(port=port)
     stream = keyed_stream(client)
     tally = Tally()
 
-    @stream.consumer(max_in_flight=1000)
+    @stream.consumer(max_in_flight=max_in_flight)
     async def handle(message: StreamMessage) -> None:
         await handler_work()
         tally.done(dict(message.fields))
@@ -206,15 +208,16 @@ async def all_acknowledged(client: Any, source: RedisStreamSource, messages: int
 
 
 async def run_keyserial(
-    port: int, processes: int, messages: int, rate: float | None
+    port: int, processes: int, messages: int, rate: float | None, max_in_flight: int = 1000
 ) -> tuple[float, list[float]]:
     client: Any = redis_asyncio.Redis(port=port)
     await client.flushall()
     source = keyed_stream(client).source
     assert isinstance(source, RedisStreamSource)
+    consume = ["--consume", str(port), "--max-in-flight", str(max_in_flight)]
     children = [
         subprocess.Popen(  # noqa: ASYNC220  # started once, before the timed part
-            [sys.executable, "-m", "benchmarks.streams", "--consume", str(port)],
+            [sys.executable, "-m", "benchmarks.streams", *consume],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             text=True,
@@ -346,9 +349,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.streams")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for CI smoke runs")
     parser.add_argument("--consume", type=int, help=argparse.SUPPRESS)  # a consumer process
+    parser.add_argument("--max-in-flight", type=int, default=1000, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.consume:
-        asyncio.run(consume_in_child(options.consume))
+        asyncio.run(consume_in_child(options.consume, options.max_in_flight))
         return 0
     # Backlogs sized so that each variant runs for a few seconds.
     backlog = {VARIANTS[0]: 2_000, VARIANTS[1]: 10_000}
@@ -366,6 +370,15 @@ def main() -> int:
             throughput[variant] = messages / elapsed
             _, latencies = measure(port, variant, latency_messages, rate)
             latency[variant] = (statistics.median(latencies), percentile(latencies, 0.99))
+        # Scaling where the CPUs are not the limit: each consumer runs at most BOUNDED_IN_FLIGHT
+        # handlers at once, so one process is bound by its handlers' time, not by computing.
+        bounded_backlog = 200 if options.quick else 4_000
+        bounded: dict[int, float] = {}
+        for processes in (1, 2, 4):
+            elapsed, _ = asyncio.run(
+                run_keyserial(port, processes, bounded_backlog, None, BOUNDED_IN_FLIGHT)
+            )
+            bounded[processes] = bounded_backlog / elapsed
         takeovers = [asyncio.run(takeover_seconds(port)) for _ in range(1 if options.quick else 3)]
     finally:
         server.send_signal(signal.SIGTERM)
@@ -399,6 +412,10 @@ def main() -> int:
         f"({'met' if one / sequential >= 10 else 'missed'})",
         f"- keyserial, four processes ÷ one process: {four / one:.2f} on {os.cpu_count()} CPUs "
         "(linear would be 4; the processes share the CPUs with each other and Redis)",
+        f"- keyserial with max_in_flight={BOUNDED_IN_FLIGHT} per process (bound by handler "
+        f"time, not CPU): {bounded[1]:,.0f} / {bounded[2]:,.0f} / {bounded[4]:,.0f} messages/s "
+        f"with 1 / 2 / 4 processes: {bounded[2] / bounded[1]:.2f} and "
+        f"{bounded[4] / bounded[1]:.2f} times one process (linear: 2 and 4)",
         f"- a killed consumer's partitions taken over after {statistics.median(takeovers):.2f} s "
         f"(median of {len(takeovers)}; lease {LEASE:.0f} s): "
         f"{statistics.median(takeovers) / LEASE:.2f} leases",

@@ -31,30 +31,39 @@ IDLE_WAIT = 1.0
 
 
 class InFlight:
-    """Messages read but not finished, across a consumer's partitions, up to a bound."""
+    """Messages read but not finished, across a consumer's partitions, up to a bound.
 
-    __slots__ = ("_room", "count", "limit")
+    Room is reserved *before* a read and the unused part given back after it: partitions
+    reading at the same time could otherwise each see the same room and together read
+    past the bound.
+    """
+
+    __slots__ = ("_room", "count", "limit", "messages")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.count = 0
+        self.count = 0  # reserved: messages in flight, and room held for reads still out
+        self.messages = 0  # messages read and not finished
         self._room = asyncio.Event()
         self._room.set()
 
-    def take(self, n: int) -> None:
+    def reserve(self, most: int) -> int:
+        """Reserve room for up to ``most`` messages now; how many (0 when full)."""
+        n = max(0, min(most, self.limit - self.count))
         self.count += n
         if self.count >= self.limit:
             self._room.clear()
+        return n
 
-    def release(self) -> None:
-        self.count -= 1
+    def release(self, n: int = 1) -> None:
+        """``n`` reserved messages finished, or were never read."""
+        self.count -= n
         if self.count < self.limit:
             self._room.set()
 
-    async def room(self) -> int:
-        """Wait until fewer than ``limit`` messages are in flight; how many more may be read."""
+    async def room(self) -> None:
+        """Wait until fewer than ``limit`` messages are in flight."""
         await self._room.wait()
-        return self.limit - self.count
 
 
 class AckBatcher:
@@ -167,36 +176,46 @@ class PartitionWorker:
         """Run the earlier owners' unacknowledged messages first, in stream order."""
         start = "0-0"
         while not stop.is_set() and self.failure is None:
-            room = await self._room(stop)
+            room = await self._reserve(stop)
             if room == 0:
                 return
-            start, entries = await self.source.claim(
-                self.partition, self.fence, self.consumer, start, min(room, READ_BATCH)
-            )
+            try:
+                start, entries = await self.source.claim(
+                    self.partition, self.fence, self.consumer, start, room
+                )
+            except BaseException:
+                self.in_flight.release(room)
+                raise
+            self.in_flight.release(room - len(entries))  # the rest stays reserved for them
             self._dispatch(entries)
             if start == "0-0":
                 return
 
     async def _read(self, stop: asyncio.Event) -> None:
         while not stop.is_set() and self.failure is None:
-            room = await self._room(stop)
+            room = await self._reserve(stop)
             if room == 0:
                 return
-            got = await self.source.read(
-                self.partition, self.fence, self.consumer, min(room, READ_BATCH)
-            )
+            try:
+                got = await self.source.read(self.partition, self.fence, self.consumer, room)
+            except BaseException:
+                self.in_flight.release(room)
+                raise
+            self.in_flight.release(room - (0 if isinstance(got, str) else len(got)))
             if isinstance(got, str):
                 await self._until_any(stop, self.source.wait(self.partition, got, IDLE_WAIT))
             else:
                 self._dispatch(got)
 
-    async def _room(self, stop: asyncio.Event) -> int:
-        """How many messages may be read now; 0 if told to stop while waiting for room."""
-        room = self.in_flight.limit - self.in_flight.count
-        if room > 0:
-            return room
-        await self._until_any(stop, self.in_flight.room())
-        return 0 if stop.is_set() or self.failure is not None else await self._room(stop)
+    async def _reserve(self, stop: asyncio.Event) -> int:
+        """Reserve room to read messages into; 0 if told to stop while waiting for room."""
+        while True:
+            room = self.in_flight.reserve(READ_BATCH)
+            if room:
+                return room
+            await self._until_any(stop, self.in_flight.room())
+            if stop.is_set() or self.failure is not None:
+                return 0
 
     async def _until_any(self, stop: asyncio.Event, awaitable: Awaitable[Any]) -> None:
         """Await ``awaitable`` until it ends, ``stop`` is set or a handler failed the worker."""
@@ -213,14 +232,16 @@ class PartitionWorker:
             raise work.exception()  # type: ignore[misc]
 
     def _dispatch(self, entries: Any) -> None:
+        """Start a task per entry (each holds one reserved place until it finishes)."""
+        self.in_flight.messages += len(entries)
         for entry in entries:
-            self.in_flight.take(1)
             task = self.queue.submit(entry.key, self._turn, entry)
             self.tasks.add(task)
             task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
+        self.in_flight.messages -= 1
         self.in_flight.release()
         if not task.cancelled() and task.exception() is not None:
             self._fail(task.exception())  # type: ignore[arg-type]

@@ -221,7 +221,7 @@ class KeyedStream:
         owned = tuple(sorted(p for p, slot in self._slots.items() if slot.owning))
         return StreamStats(
             owned,
-            self._in_flight.count,
+            self._in_flight.messages,
             counts.handled,
             counts.failed_attempts,
             counts.retries,
