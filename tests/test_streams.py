@@ -475,3 +475,22 @@ async def test_entries_not_published_by_a_keyed_stream_are_dead_lettered_not_run
     assert "not a key serialized by KeyedStream" in dead[bad_key].error
     assert dead[bad_key].fields == {"text": "bad"}
     assert await pending(client, stream, 0) == []
+
+
+async def test_a_handler_that_cancels_itself_holds_its_key_until_the_message_runs_again(
+    streams: Streams, running: Running
+) -> None:
+    stream = streams(partitions=1)
+    starts: list[tuple[str, int]] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        starts.append((message.fields["n"], message.deliveries))
+        if len(starts) == 1:
+            raise asyncio.CancelledError  # as a handler's own timeout handling might
+
+    await stream.publish("k", {"n": "first"})
+    await stream.publish("k", {"n": "second"})
+    running.start(stream)
+    await until(lambda: stream.stats().handled == 2, "both handled")
+    assert starts == [("first", 1), ("first", 2), ("second", 2)]

@@ -155,6 +155,7 @@ class PartitionWorker:
         self.failure: BaseException | None = None
         self._turn = _named_after(handler, self._handle)
         self._wake = asyncio.Event()
+        self._closing = False  # the worker is cancelling its handlers
 
     async def run(self, stop: asyncio.Event, drain_timeout: float) -> None:
         """Take over, then read until ``stop`` is set; then let the handlers finish.
@@ -254,7 +255,16 @@ class PartitionWorker:
         unacknowledged). The worker stops instead, and a new ownership replays the message
         first.
         """
-        error = entry.malformed or await self._attempts(entry)
+        try:
+            error = entry.malformed or await self._attempts(entry)
+        except asyncio.CancelledError:
+            if self._closing:
+                raise
+            # The handler raised CancelledError without the worker cancelling it: the
+            # message is unfinished, so its key must not move on.
+            self._fail(RuntimeError(f"the handler of message {entry.id} was cancelled"))
+            await asyncio.get_running_loop().create_future()  # held until the worker ends
+            return
         try:
             if error is None:
                 await self.acks.ack(entry.id)
@@ -302,8 +312,17 @@ class PartitionWorker:
         """Let the handlers started here finish and be acknowledged, for ``drain_timeout``."""
         if not self.tasks:
             return
-        _, pending = await asyncio.wait(set(self.tasks), timeout=drain_timeout)
-        if pending:
+        # Never cancelled (that would cancel the handlers): left to end with them.
+        handlers: asyncio.Future[Any] = asyncio.gather(*self.tasks, return_exceptions=True)
+        failed: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())  # ends it at once
+        try:
+            await asyncio.wait(
+                {handlers, failed}, timeout=drain_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            failed.cancel()
+        pending = [task for task in self.tasks if not task.done()]
+        if pending and self.failure is None:
             logger.warning(
                 "partition %d: %d handlers still running after %.1f s; cancelled, unacknowledged",
                 self.partition,
@@ -312,6 +331,7 @@ class PartitionWorker:
             )
 
     async def _cancel_handlers(self) -> None:
+        self._closing = True
         tasks = list(self.tasks)
         for task in tasks:
             task.cancel()
