@@ -494,3 +494,29 @@ async def test_a_handler_that_cancels_itself_holds_its_key_until_the_message_run
     running.start(stream)
     await until(lambda: stream.stats().handled == 2, "both handled")
     assert starts == [("first", 1), ("first", 2), ("second", 2)]
+
+
+async def test_idle_partitions_beyond_the_pool_poll_instead_of_failing(
+    clients: Clients, running: Running
+) -> None:
+    # 12 idle partitions, and a pool of 8 connections: not every idle partition can block on
+    # a connection of its own. Messages still arrive, and no ownership is lost over it.
+    stream = KeyedStream(clients(max_connections=8), "s", 12, lease=LEASE)
+    handled: list[str] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        handled.append(str(message.key))
+
+    try:
+        running.start(stream)
+        await until(lambda: len(stream.stats().partitions) == 12, "all partitions owned")
+        await asyncio.sleep(LEASE / 2)  # every partition idle, waiting
+        producer = KeyedStream(clients(), "s", 12, lease=LEASE)
+        for n in range(24):
+            await producer.publish(f"key-{n}", {"n": n})
+        await until(lambda: len(handled) == 24, "all handled")
+        assert stream.stats().ownerships_lost == 0
+    finally:
+        await running.stop(stream)
+        await stream.aclose()

@@ -103,12 +103,13 @@ class ScriptRunner:
     Redis cannot be reached, its ``ResponseError`` when Redis refused the script.
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, share: float = 0.5) -> None:
         self._client = client
         self._pool: Any = getattr(client, "connection_pool", None)
         bound = getattr(self._pool, "max_connections", None) or MAX_IDLE_CONNECTIONS * 4
-        #: Script calls in flight at once per loop (see MAX_CONNECTIONS_IN_USE).
-        self.budget = max(1, min(MAX_CONNECTIONS_IN_USE, (bound - 1) // 2))
+        #: Script calls in flight at once per loop (see MAX_CONNECTIONS_IN_USE): at most
+        #: ``share`` of the pool's connections less the grant listener's one.
+        self.budget = max(1, min(MAX_CONNECTIONS_IN_USE, int((bound - 1) * share)))
         if isinstance(self._pool, BlockingConnectionPool):
             # A call waiting in such a pool for a free connection would not see one kept
             # here: every connection goes back to the pool after its call.

@@ -9,6 +9,7 @@ the turn's holder in the same slot it reads and acknowledges in.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import math
@@ -17,6 +18,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, cast
 
 import redis.asyncio as redis_asyncio
+from redis.exceptions import MaxConnectionsError
 
 from .._keycodec import deserialize_key, serialize_key
 from ..redis._lock import RedisLock
@@ -32,6 +34,11 @@ KEY_FIELD = "keyserial.key"
 RESERVED_PREFIX = "keyserial."
 
 Value = str | bytes | int | float
+
+#: Seconds an idle partition waits before reading again when no connection was free to block on.
+POLL_WITHOUT_CONNECTION = 0.05
+#: Idle partitions that wait on a blocking read at once, at most (each holds a connection).
+MAX_BLOCKING_WAITS = 16
 
 
 def _as_text(value: object) -> str:
@@ -69,7 +76,11 @@ class RedisStreamSource(StreamSource):
         encoded = encoded_namespace(namespace)
         self._bases = [base_name(encoded, encode_key(p)) for p in range(partitions)]
         self._members_key = f"keyserial:{{{encoded}}}:members"
-        self._runner = ScriptRunner(client)
+        # The pool is shared with the partitions' turns (half of it for their scripts): a
+        # quarter for reads and acks, and at most a quarter for idle partitions' waits.
+        self._runner = ScriptRunner(client, share=0.25)
+        bound = client.connection_pool.max_connections or 100
+        self._waits = asyncio.Semaphore(max(1, min(MAX_BLOCKING_WAITS, bound // 4 - 1)))
         self._claim = LuaScript(scripts.CLAIM)
         self._read = LuaScript(scripts.READ)
         self._ack = LuaScript(scripts.ACK)
@@ -139,9 +150,18 @@ class RedisStreamSource(StreamSource):
         return [_entry(raw, 1) for raw in reply[1]]
 
     async def wait(self, partition: int, after: str, timeout: float) -> None:
-        await self._client.xread(
-            {self.stream_name(partition): after}, count=1, block=max(1, int(timeout * 1000))
-        )
+        if self._waits.locked():
+            # As many idle partitions as the pool can spare wait on a connection each;
+            # the others poll.
+            await asyncio.sleep(POLL_WITHOUT_CONNECTION)
+            return
+        async with self._waits:
+            try:
+                block = max(1, int(timeout * 1000))
+                await self._client.xread({self.stream_name(partition): after}, count=1, block=block)
+            except MaxConnectionsError:
+                # The pool's connections are out (the application's own calls): poll instead.
+                await asyncio.sleep(POLL_WITHOUT_CONNECTION)
 
     async def ack(self, partition: int, fence: int, ids: Sequence[str]) -> int:
         reply = await self._script(self._ack, partition, fence, *ids)
