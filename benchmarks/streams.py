@@ -192,6 +192,23 @@ async def consume_in_child(port: int, max_in_flight: int) -> None:
     await client.aclose()
 
 
+def start_consumers(port: int, count: int, max_in_flight: int) -> list[subprocess.Popen[str]]:
+    """``count`` consumer processes, each ready (its stream made) when this returns."""
+    consume = ["--consume", str(port), "--max-in-flight", str(max_in_flight)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.streams", *consume],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+    for child in children:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    return children
+
+
 async def all_acknowledged(client: Any, source: RedisStreamSource, messages: int) -> bool:
     total = 0
     for partition in range(PARTITIONS):
@@ -214,19 +231,8 @@ async def run_keyserial(
     await client.flushall()
     source = keyed_stream(client).source
     assert isinstance(source, RedisStreamSource)
-    consume = ["--consume", str(port), "--max-in-flight", str(max_in_flight)]
-    children = [
-        subprocess.Popen(  # noqa: ASYNC220  # started once, before the timed part
-            [sys.executable, "-m", "benchmarks.streams", *consume],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(processes)
-    ]
+    children = start_consumers(port, processes, max_in_flight)
     try:
-        for child in children:
-            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         await until_spread(client, source, processes)
 
         def target(key: str) -> str:
@@ -287,18 +293,8 @@ async def takeover_seconds(port: int) -> float:
     await client.flushall()
     source = keyed_stream(client).source
     assert isinstance(source, RedisStreamSource)
-    children = [
-        subprocess.Popen(  # noqa: ASYNC220  # started before the timed part
-            [sys.executable, "-m", "benchmarks.streams", "--consume", str(port)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
+    children = start_consumers(port, 2, 1000)
     try:
-        for child in children:
-            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         await until_spread(client, source, 2)
         children[0].kill()
         killed = time.monotonic()

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -57,6 +60,23 @@ return 0
 
 class StaleOwner(Exception):
     """The handler's owner no longer holds the partition: its record was refused."""
+
+
+def dump_tasks() -> None:
+    """Each task and the chain of coroutines it awaits, innermost last."""
+    print(f"--- tasks of consumer {os.getpid()} ---", file=sys.stderr)
+    for task in asyncio.all_tasks():
+        print(f"{task!r}", file=sys.stderr)
+        awaited: Any = task.get_coro()
+        while awaited is not None:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
+            if frame is None:
+                print(f"    awaits {awaited!r}", file=sys.stderr)
+                break
+            code = frame.f_code
+            print(f"    {code.co_filename}:{frame.f_lineno} {code.co_name}", file=sys.stderr)
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
+    sys.stderr.flush()
 
 
 # -- the consumer process ---------------------------------------------------------------------
@@ -98,6 +118,10 @@ async def consume(url: str, partitions: int, lease: float, seed: int) -> None:
 
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stream.stop)
+    # A consumer that does not stop is asked, with SIGUSR1, where each of its tasks waits,
+    # and with SIGUSR2, where its thread is stuck.
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+    faulthandler.register(signal.SIGUSR2)
     print("ready", flush=True)
     await stream.run()
     await stream.aclose()
@@ -146,16 +170,24 @@ class Chaos:
         self.redis = redis.Redis.from_url(url)
         self.processes: list[subprocess.Popen[bytes]] = []
         self.gone: list[subprocess.Popen[bytes]] = []  # killed, their pipes still to close
+        self.directory = Path(tempfile.mkdtemp(prefix="keyserial-stream-chaos-"))
+        self.errors: dict[int, Path] = {}  # each consumer's stderr
         self.report = Report()
         self.fates: dict[tuple[str, int], str] = {}
 
     def spawn(self) -> None:
+        errors = (self.directory / f"consumer-{len(self.processes) + len(self.gone)}.err").open(
+            "wb"
+        )
         process = subprocess.Popen(
             [sys.executable, "-m", "tests.stream_chaos", "consume", self.url,
              str(self.partitions), str(self.lease), str(self.rng.randrange(1 << 30))],
             cwd=ROOT,
             stdout=subprocess.PIPE,
+            stderr=errors,
         )  # fmt: skip
+        errors.close()
+        self.errors[process.pid] = Path(errors.name)
         assert process.stdout is not None
         assert process.stdout.readline().strip() == b"ready"
         self.processes.append(process)
@@ -177,6 +209,7 @@ class Chaos:
                 if process.stdout is not None:
                     process.stdout.close()
             self.redis.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
         return self.report
 
     def publish_and_inject(self, deadline: float) -> None:
@@ -275,12 +308,25 @@ class Chaos:
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.report.problems.append(f"consumer {process.pid} did not stop when asked")
+                self.report.problems.append(
+                    f"consumer {process.pid} did not stop when asked: {self.stacks_of(process)}"
+                )
             else:
                 if process.returncode != 0:
                     self.report.problems.append(
                         f"consumer {process.pid} exited {process.returncode}"
                     )
+
+    def stacks_of(self, process: subprocess.Popen[bytes]) -> str:
+        """Where a consumer that does not stop is stuck: its tasks, else its thread."""
+        errors = self.errors[process.pid]
+        before = errors.stat().st_size
+        process.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        if errors.stat().st_size == before:  # the loop itself is stuck
+            process.send_signal(signal.SIGUSR2)
+            time.sleep(1.0)
+        return errors.read_bytes()[before:].decode(errors="replace")
 
     def check(self) -> None:
         report, history, dead = self.report, self.history(), self.dead()

@@ -520,3 +520,28 @@ async def test_idle_partitions_beyond_the_pool_poll_instead_of_failing(
     finally:
         await running.stop(stream)
         await stream.aclose()
+
+
+async def test_stop_ends_even_when_a_handler_turns_its_cancellation_into_an_error(
+    streams: Streams, clients: Clients, running: Running
+) -> None:
+    # A handler's client may turn the cancellation into another error (a connection dropped
+    # mid-call): the worker must neither retry nor dead-letter it, and must still end.
+    stream = streams(partitions=1)
+    started = asyncio.Event()
+
+    @stream.consumer(drain_timeout=0.1, max_attempts=3, retry_delay=0)
+    async def handle(message: StreamMessage) -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise ConnectionError("the connection broke while cancelling") from None
+
+    message_id = await stream.publish("k", {"n": 1})
+    running.start(stream)
+    await started.wait()
+    stream.stop()
+    await asyncio.wait_for(running.tasks.pop(stream), 10)
+    assert await stream.dead_letters() == []
+    assert await pending(clients(), stream, 0) == [message_id]  # left for the next owner

@@ -17,6 +17,26 @@ from ._transport import text
 logger = logging.getLogger("keyserial")
 
 
+async def finished_within(task: asyncio.Task[Any], seconds: float) -> bool:
+    """Wait for ``task`` at most ``seconds``, without cancelling it; True if it finished."""
+    if task.done():
+        return True
+    finished = asyncio.get_running_loop().create_future()
+
+    def wake(_: object = None) -> None:
+        if not finished.done():
+            finished.set_result(None)
+
+    task.add_done_callback(wake)
+    timer = asyncio.get_running_loop().call_later(seconds, wake)
+    try:
+        await finished
+    finally:
+        timer.cancel()
+        task.remove_done_callback(wake)
+    return task.done()
+
+
 def time_up(granted: asyncio.Future[int | None]) -> None:
     if not granted.done():
         granted.set_result(None)
@@ -40,6 +60,7 @@ class GrantListener:
         # ticket -> None (no grant yet), its fence (granted), or the future of its wait
         self.waiting: dict[str, int | asyncio.Future[int | None] | None] = {}
         self.ready = asyncio.get_running_loop().create_future()
+        self.closing = False
         self.task = asyncio.get_running_loop().create_task(self._listen())
 
     def new_ticket(self) -> str:
@@ -75,9 +96,17 @@ class GrantListener:
         else:  # its request has not returned yet, or its poll timer just fired
             self.waiting[ticket] = fence
 
+    async def close(self, within: float) -> None:
+        """Stop listening; wait for the listener at most ``within`` seconds."""
+        self.closing = True
+        self.task.cancel()
+        await finished_within(self.task, within)
+        if not self.task.done():
+            logger.warning("keyserial: grant listener still stopping after %.1f s", within)
+
     async def _listen(self) -> None:
         backoff = 0.05
-        while True:
+        while not self.closing:
             client: Any = self.client  # redis-py's pub/sub types are partly unknown
             pubsub: Any = None
             try:
@@ -92,6 +121,10 @@ class GrantListener:
                     if message.get("type") in ("message", b"message"):
                         self._deliver(message["data"])
             except Exception as exc:
+                if self.closing:
+                    # Its cancellation, turned into another error by the client's cleanup
+                    # (a connection dropped mid-read): stop, do not subscribe again.
+                    return
                 # Waiters fall back to polling meanwhile; subscribe again once Redis is back.
                 # Any error, not only Redis's: a listener that stopped for good would leave
                 # every waiter to the slow poll.

@@ -9,7 +9,6 @@ lock blocks both use it; neither reaches into the other.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 from collections.abc import Coroutine
@@ -22,7 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._loops import drop_closed_loops
 from . import _scripts as scripts
-from ._grants import GrantListener, time_up
+from ._grants import GrantListener, finished_within, time_up
 from ._lease import LeaseKeeper, Turn
 from ._names import base_name
 from ._transport import LuaScript, RedisUnavailable, ScriptRunner, text
@@ -259,27 +258,5 @@ class RedisTurns:
             await asyncio.wait(pending, timeout=self.lease)
         listener = self.listeners.pop(loop, None)
         if listener is not None:
-            listener.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener.task
+            await listener.close(within=self.lease)
         await self.runner.close()
-
-
-async def finished_within(task: Task, seconds: float) -> bool:
-    """Wait for ``task`` at most ``seconds``, without cancelling it; True if it finished."""
-    if task.done():
-        return True
-    finished = asyncio.get_running_loop().create_future()
-
-    def wake(_: object = None) -> None:
-        if not finished.done():
-            finished.set_result(None)
-
-    task.add_done_callback(wake)
-    timer = asyncio.get_running_loop().call_later(seconds, wake)
-    try:
-        await finished
-    finally:
-        timer.cancel()
-        task.remove_done_callback(wake)
-    return task.done()

@@ -156,6 +156,7 @@ class PartitionWorker:
         self._turn = _named_after(handler, self._handle)
         self._wake = asyncio.Event()
         self._closing = False  # the worker is cancelling its handlers
+        self._closed = asyncio.get_running_loop().create_future()  # set when it starts to
 
     async def run(self, stop: asyncio.Event, drain_timeout: float) -> None:
         """Take over, then read until ``stop`` is set; then let the handlers finish.
@@ -257,13 +258,15 @@ class PartitionWorker:
         """
         try:
             error = entry.malformed or await self._attempts(entry)
+            if self._closing:
+                return  # shutdown, not the message, failed it: left for the next owner
         except asyncio.CancelledError:
             if self._closing:
                 raise
             # The handler raised CancelledError without the worker cancelling it: the
             # message is unfinished, so its key must not move on.
             self._fail(RuntimeError(f"the handler of message {entry.id} was cancelled"))
-            await asyncio.get_running_loop().create_future()  # held until the worker ends
+            await self._hold_key()
             return
         try:
             if error is None:
@@ -275,7 +278,17 @@ class PartitionWorker:
                 logger.warning("message %s of key %r dead-lettered: %s", entry.id, entry.key, error)
         except Exception as exc:
             self._fail(exc)
-            await asyncio.get_running_loop().create_future()  # held until the worker ends
+            await self._hold_key()
+
+    async def _hold_key(self) -> None:
+        """Keep this message's key until the worker ends: its next message must not start.
+
+        Ends when the worker closes, not only when this task is cancelled: the error that
+        brought us here may itself have been a cancellation that cleanup code turned into
+        another exception, and a task that waited for a second cancellation would never end.
+        """
+        if not self._closing:
+            await asyncio.shield(self._closed)
 
     async def _attempts(self, entry: Entry) -> str | None:
         """Run the handler up to ``max_attempts`` times; None once it succeeded, else the error."""
@@ -293,7 +306,8 @@ class PartitionWorker:
                 await self.handler(message)
             except Exception as exc:
                 self.counts.failed_attempts += 1
-                if attempt == self.max_attempts:
+                # Closing: the worker cancelled it, and the handler turned that into an error.
+                if attempt == self.max_attempts or self._closing:
                     return f"{type(exc).__name__}: {exc}"
                 self.counts.retries += 1
                 if self.retry_delay:
@@ -332,6 +346,7 @@ class PartitionWorker:
 
     async def _cancel_handlers(self) -> None:
         self._closing = True
+        self._closed.set_result(None)  # in the same step as the cancellations below
         tasks = list(self.tasks)
         for task in tasks:
             task.cancel()
