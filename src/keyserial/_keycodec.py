@@ -50,13 +50,16 @@ def deserialize_key(data: bytes) -> object:
     Raises:
         ValueError: ``data`` is not a serialized key.
     """
-    key, end = _read_key(data, 0)
+    try:
+        key, end = _read_key(data, 0, 0)
+    except ValueError as exc:  # a missing separator, a bad number: one message for all
+        raise ValueError(f"not a serialized key ({exc})") from None
     if end != len(data):
-        raise ValueError("not a serialized key: bytes left over after the key")
+        raise ValueError("not a serialized key (bytes left over after the key)")
     return key
 
 
-def _read_key(data: bytes, start: int) -> tuple[object, int]:
+def _read_key(data: bytes, start: int, depth: int) -> tuple[object, int]:
     kind = data[start : start + 1]
     if kind in (b"i", b"x"):
         end = data.index(b";", start)
@@ -64,14 +67,16 @@ def _read_key(data: bytes, start: int) -> tuple[object, int]:
     colon = data.index(b":", start)
     size = int(data[start + 1 : colon])
     if kind == b"t":
+        if depth >= MAX_KEY_DEPTH:
+            raise ValueError(f"tuples nested deeper than {MAX_KEY_DEPTH}")
         items: list[object] = []
         position = colon + 1
         for _ in range(size):
-            item, position = _read_key(data, position)
+            item, position = _read_key(data, position, depth + 1)
             items.append(item)
         return tuple(items), position
     end = colon + 1 + size
     if end > len(data) or kind not in (b"s", b"b"):
-        raise ValueError("not a serialized key")
+        raise ValueError("unknown kind or short data")
     body = data[colon + 1 : end]
     return (body.decode("utf-8", "surrogatepass") if kind == b"s" else body), end
