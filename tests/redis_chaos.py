@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import faulthandler
 import os
 import random
 import signal
@@ -35,6 +34,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .chaos_stacks import answer_stack_requests, stacks_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,13 +57,6 @@ SLACK = 5.0
 # -- the worker -----------------------------------------------------------------------------
 
 
-def dump_tasks() -> None:
-    print(f"--- tasks of worker {os.getpid()} ---", file=sys.stderr)
-    for task in asyncio.all_tasks():
-        task.print_stack(file=sys.stderr)
-    sys.stderr.flush()
-
-
 async def work(
     coordinator: str, store: str, log_path: str, seed: int, keys: int, lease: float
 ) -> None:
@@ -79,9 +73,7 @@ async def work(
     pid = os.getpid()
     stopping = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
-    # A worker that does not drain is asked, with SIGUSR1, where each of its tasks waits.
-    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
-    faulthandler.register(signal.SIGUSR2)  # and with SIGUSR2, where its thread is stuck
+    answer_stack_requests()  # a worker that does not drain is asked where it is stuck
 
     def record(*fields: object) -> None:
         os.write(log, (" ".join(map(str, fields)) + "\n").encode())
@@ -248,15 +240,7 @@ class Chaos:
     def stacks_of(self, process: subprocess.Popen[bytes]) -> str:
         """Where a worker that does not drain is stuck: its tasks, else its thread."""
         self.errors.flush()
-        before = (self.directory / "stderr").stat().st_size
-        process.send_signal(signal.SIGUSR1)
-        time.sleep(1.0)
-        if (self.directory / "stderr").stat().st_size == before:  # the loop itself is stuck
-            process.send_signal(signal.SIGUSR2)
-            time.sleep(1.0)
-        with (self.directory / "stderr").open("rb") as errors:
-            errors.seek(before)
-            return errors.read().decode(errors="replace")
+        return stacks_of(process, self.directory / "stderr")
 
     def stopped_during(self, pid: int, start: int, end: int) -> int:
         return sum(max(0, min(end, b) - max(start, a)) for a, b in self.stopped.get(pid, []))

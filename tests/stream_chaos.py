@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import faulthandler
 import os
 import random
 import shutil
@@ -41,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from .chaos_stacks import answer_stack_requests, stacks_of
 
 ROOT = Path(__file__).resolve().parent.parent
 STREAM = "chaos"
@@ -60,23 +61,6 @@ return 0
 
 class StaleOwner(Exception):
     """The handler's owner no longer holds the partition: its record was refused."""
-
-
-def dump_tasks() -> None:
-    """Each task and the chain of coroutines it awaits, innermost last."""
-    print(f"--- tasks of consumer {os.getpid()} ---", file=sys.stderr)
-    for task in asyncio.all_tasks():
-        print(f"{task!r}", file=sys.stderr)
-        awaited: Any = task.get_coro()
-        while awaited is not None:
-            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
-            if frame is None:
-                print(f"    awaits {awaited!r}", file=sys.stderr)
-                break
-            code = frame.f_code
-            print(f"    {code.co_filename}:{frame.f_lineno} {code.co_name}", file=sys.stderr)
-            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
-    sys.stderr.flush()
 
 
 # -- the consumer process ---------------------------------------------------------------------
@@ -118,10 +102,7 @@ async def consume(url: str, partitions: int, lease: float, seed: int) -> None:
 
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stream.stop)
-    # A consumer that does not stop is asked, with SIGUSR1, where each of its tasks waits,
-    # and with SIGUSR2, where its thread is stuck.
-    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
-    faulthandler.register(signal.SIGUSR2)
+    answer_stack_requests()  # a consumer that does not stop is asked where it is stuck
     print("ready", flush=True)
     await stream.run()
     await stream.aclose()
@@ -308,25 +289,13 @@ class Chaos:
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.report.problems.append(
-                    f"consumer {process.pid} did not stop when asked: {self.stacks_of(process)}"
-                )
+                stacks = stacks_of(process, self.errors[process.pid])
+                self.report.problems.append(f"consumer {process.pid} did not stop: {stacks}")
             else:
                 if process.returncode != 0:
                     self.report.problems.append(
                         f"consumer {process.pid} exited {process.returncode}"
                     )
-
-    def stacks_of(self, process: subprocess.Popen[bytes]) -> str:
-        """Where a consumer that does not stop is stuck: its tasks, else its thread."""
-        errors = self.errors[process.pid]
-        before = errors.stat().st_size
-        process.send_signal(signal.SIGUSR1)
-        time.sleep(1.0)
-        if errors.stat().st_size == before:  # the loop itself is stuck
-            process.send_signal(signal.SIGUSR2)
-            time.sleep(1.0)
-        return errors.read_bytes()[before:].decode(errors="replace")
 
     def check(self) -> None:
         report, history, dead = self.report, self.history(), self.dead()
