@@ -10,7 +10,7 @@ handlers and ``stats()`` see).
 """
 
 from ._message import DeadLetter, StreamMessage, StreamStats
-from ._redis_source import RedisStreamSource
+from ._redis_source import RedisStreamSource, acl_rules
 from ._source import Entry, PartitionLost, StreamSource
 from ._stream import KeyedStream
 
@@ -23,4 +23,5 @@ __all__ = [
     "StreamMessage",
     "StreamSource",
     "StreamStats",
+    "acl_rules",
 ]

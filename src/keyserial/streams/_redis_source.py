@@ -22,6 +22,7 @@ from redis.exceptions import MaxConnectionsError
 
 from .._keycodec import deserialize_key, serialize_key
 from ..redis._lock import RedisLock
+from ..redis._names import acl_rules as redis_acl_rules
 from ..redis._names import base_name, encode_key, encoded_namespace
 from ..redis._queue import RedisKeyedQueue
 from ..redis._transport import LuaScript, ScriptRunner, text
@@ -43,6 +44,36 @@ MAX_BLOCKING_WAITS = 16
 
 def _as_text(value: object) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+
+
+#: Commands a consumer and a producer send beyond the Redis backend's (see acl_rules).
+_STREAM_COMMANDS = (
+    "xadd xread xreadgroup xack xautoclaim xpending xrange xrevrange xtrim "
+    "xinfo|groups xinfo|consumers xgroup|create xgroup|delconsumer zrange zremrangebyscore"
+)
+
+
+def acl_rules(name: str) -> str:
+    """The ACL rules a Redis user needs to publish to and consume the ``KeyedStream`` ``name``.
+
+    The stream's keys (partitions, their turns and dead letters, its members), the
+    partitions' grant channels, and the commands used. A user with these rules can
+    neither read nor write another stream's keys.
+
+    Example:
+        ```pycon
+        >>> "+xautoclaim" in acl_rules("transcripts").split()
+        True
+
+        ```
+    """
+    commands = " ".join(f"+{command}" for command in _STREAM_COMMANDS.split())
+    return f"{redis_acl_rules(stream_namespace(name))} {commands}"
+
+
+def stream_namespace(name: str) -> str:
+    """The Redis backend namespace of ``name``'s partitions (they are its turns)."""
+    return f"keyserial.streams/{name}"
 
 
 class RedisStreamSource(StreamSource):
@@ -68,14 +99,15 @@ class RedisStreamSource(StreamSource):
             raise ValueError("name must be a non-empty string")
         if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
             raise ValueError(f"partitions must be a positive int, got {partitions!r}")
-        namespace = f"keyserial.streams/{name}"
+        namespace = stream_namespace(name)
         self.partitions = partitions
         self.lease = float(lease)
         self._client = client
         self._owners = RedisKeyedQueue(client, namespace, lease)
         encoded = encoded_namespace(namespace)
         self._bases = [base_name(encoded, encode_key(p)) for p in range(partitions)]
-        self._members_key = f"keyserial:{{{encoded}}}:members"
+        # Inside the namespace's key pattern (see acl_rules); no encoded key starts with "m".
+        self._members_key = f"keyserial:{{{encoded}:members}}"
         # The pool is shared with the partitions' turns (half of it for their scripts): a
         # quarter for reads and acks, and at most a quarter for idle partitions' waits.
         self._runner = ScriptRunner(client, share=0.25)
