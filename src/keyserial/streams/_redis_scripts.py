@@ -110,7 +110,6 @@ redis.call('XACK', STREAM, GROUP, unpack(ARGV, 2))
 local summary = redis.call('XPENDING', STREAM, GROUP)
 local lag, last = 0, nil
 for _, info in ipairs(redis.call('XINFO', 'GROUPS', STREAM)) do
-  local name
   local fields = {}
   for i = 1, #info, 2 do fields[info[i]] = info[i + 1] end
   if fields['name'] == GROUP then
