@@ -42,6 +42,11 @@ POLL_WITHOUT_CONNECTION = 0.05
 MAX_BLOCKING_WAITS = 16
 
 
+def key_field_of(data: bytes) -> str:
+    """The ``KEY_FIELD`` value of a message whose key serializes to ``data``."""
+    return base64.b64encode(data).decode()
+
+
 def _as_text(value: object) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
 
@@ -129,7 +134,9 @@ class RedisStreamSource(StreamSource):
 
     def partition_of(self, key: Hashable) -> int:
         """A stable hash of the serialized key, the same in every process and version."""
-        data = serialize_key(key, "KeyedStream")
+        return self._partition_of_serialized(serialize_key(key, "KeyedStream"))
+
+    def _partition_of_serialized(self, data: bytes) -> int:
         digest = hashlib.blake2b(data, digest_size=8).digest()
         return int.from_bytes(digest, "big") % self.partitions
 
@@ -137,7 +144,7 @@ class RedisStreamSource(StreamSource):
         data = serialize_key(key, "KeyedStream")
         if not isinstance(fields, Mapping):
             raise TypeError(f"fields must be a mapping, not {type(fields).__name__}")
-        message: dict[str, Value] = {KEY_FIELD: base64.b64encode(data).decode()}
+        message: dict[str, Value] = {KEY_FIELD: key_field_of(data)}
         for name, value in fields.items():
             if not isinstance(name, str):
                 raise TypeError(f"field names must be str, not {type(name).__name__}")
@@ -150,8 +157,7 @@ class RedisStreamSource(StreamSource):
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"field {name!r} is not a finite number: {value!r}")
             message[name] = value
-        digest = hashlib.blake2b(data, digest_size=8).digest()
-        partition = int.from_bytes(digest, "big") % self.partitions
+        partition = self._partition_of_serialized(data)
         reply = await self._client.xadd(self.stream_name(partition), message)  # type: ignore[arg-type]
         return text(reply)
 
@@ -202,7 +208,7 @@ class RedisStreamSource(StreamSource):
     async def dead_letter(self, partition: int, fence: int, entry: Entry, error: str) -> None:
         flat: list[str | int] = []
         if entry.malformed is None:
-            flat += [KEY_FIELD, base64.b64encode(serialize_key(entry.key, "")).decode()]
+            flat += [KEY_FIELD, key_field_of(serialize_key(entry.key, "KeyedStream"))]
         for name, value in entry.fields.items():
             flat += [name, value]
         await self._script(self._dead, partition, fence, entry.id, entry.deliveries, error, *flat)
