@@ -28,13 +28,15 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as redis_asyncio
 
+from keyserial._keycodec import serialize_key
 from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage
+from keyserial.streams._redis_source import key_field_of
 
 from .redis_backend import start_server
 from .report import environment
@@ -122,11 +124,7 @@ async def publish(
 
 
 def _key_field(key: str) -> str:
-    import base64
-
-    from keyserial._keycodec import serialize_key
-
-    return base64.b64encode(serialize_key(key, "")).decode()
+    return key_field_of(serialize_key(key, "KeyedStream"))
 
 
 async def until_count(tally: Tally, messages: int, limit: float) -> None:
@@ -192,11 +190,19 @@ async def consume_in_child(port: int, max_in_flight: int) -> None:
     await client.aclose()
 
 
-def start_consumers(port: int, count: int, max_in_flight: int) -> list[subprocess.Popen[str]]:
-    """``count`` consumer processes, each ready (its stream made) when this returns."""
+@contextlib.asynccontextmanager
+async def consumers(
+    port: int, count: int, max_in_flight: int
+) -> AsyncGenerator[tuple[Any, RedisStreamSource, list[subprocess.Popen[str]]]]:
+    """An emptied server, ``count`` consumer processes holding its partitions evenly, and
+    a client and the stream's source to watch them; the processes are killed at the end."""
+    client: Any = redis_asyncio.Redis(port=port)
+    await client.flushall()
+    source = keyed_stream(client).source
+    assert isinstance(source, RedisStreamSource)
     consume = ["--consume", str(port), "--max-in-flight", str(max_in_flight)]
     children = [
-        subprocess.Popen(
+        subprocess.Popen(  # noqa: ASYNC220  # started before the timed part
             [sys.executable, "-m", "benchmarks.streams", *consume],
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -204,9 +210,19 @@ def start_consumers(port: int, count: int, max_in_flight: int) -> list[subproces
         )
         for _ in range(count)
     ]
-    for child in children:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-    return children
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        await until_spread(client, source, count)
+        yield client, source, children
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()  # killed: returns at once
+            if child.stdout is not None:
+                child.stdout.close()
+        await client.aclose()
 
 
 async def all_acknowledged(client: Any, source: RedisStreamSource, messages: int) -> bool:
@@ -227,13 +243,7 @@ async def all_acknowledged(client: Any, source: RedisStreamSource, messages: int
 async def run_keyserial(
     port: int, processes: int, messages: int, rate: float | None, max_in_flight: int = 1000
 ) -> tuple[float, list[float]]:
-    client: Any = redis_asyncio.Redis(port=port)
-    await client.flushall()
-    source = keyed_stream(client).source
-    assert isinstance(source, RedisStreamSource)
-    children = start_consumers(port, processes, max_in_flight)
-    try:
-        await until_spread(client, source, processes)
+    async with consumers(port, processes, max_in_flight) as (client, source, children):
 
         def target(key: str) -> str:
             return source.stream_name(source.partition_of(key))
@@ -252,12 +262,6 @@ async def run_keyserial(
         for child in children:
             out, _ = child.communicate(timeout=60)
             latencies += [float(value) for value in out.split()]
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-    await client.aclose()
     return elapsed, latencies
 
 
@@ -289,13 +293,7 @@ async def until_spread(client: Any, source: RedisStreamSource, processes: int) -
 
 async def takeover_seconds(port: int) -> float:
     """Two consumers share the partitions; one is killed: seconds until the other holds all."""
-    client: Any = redis_asyncio.Redis(port=port)
-    await client.flushall()
-    source = keyed_stream(client).source
-    assert isinstance(source, RedisStreamSource)
-    children = start_consumers(port, 2, 1000)
-    try:
-        await until_spread(client, source, 2)
+    async with consumers(port, 2, 1000) as (client, source, children):
         children[0].kill()
         killed = time.monotonic()
         while True:
@@ -305,12 +303,6 @@ async def takeover_seconds(port: int) -> float:
             if time.monotonic() - killed > 10 * LEASE:
                 raise SystemExit("the partitions of a killed consumer were not taken over")
             await asyncio.sleep(0.01)
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-            child.communicate()
-        await client.aclose()
 
 
 # -- the report -------------------------------------------------------------------------------
