@@ -40,6 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import redis.asyncio as redis_asyncio
+
+from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage
+from keyserial.streams._redis_source import entry_of
 
 from .chaos_stacks import answer_stack_requests, stacks_of
 
@@ -67,10 +71,6 @@ class StaleOwner(Exception):
 
 
 async def consume(url: str, partitions: int, lease: float, seed: int) -> None:
-    import redis.asyncio as redis_asyncio
-
-    from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage
-
     client = redis_asyncio.Redis.from_url(url)
     stream = KeyedStream(client, STREAM, partitions, lease=lease)
     source = stream.source
@@ -149,6 +149,8 @@ class Chaos:
         self.rng = random.Random(seed)
         self.url = url
         self.redis = redis.Redis.from_url(url)
+        # The stream's own names for its partitions' keys (no connection is made through it).
+        self.names = RedisStreamSource(redis_asyncio.Redis.from_url(url), STREAM, partitions, lease)
         self.processes: list[subprocess.Popen[bytes]] = []
         self.gone: list[subprocess.Popen[bytes]] = []  # killed, their pipes still to close
         self.directory = Path(tempfile.mkdtemp(prefix="keyserial-stream-chaos-"))
@@ -197,10 +199,6 @@ class Chaos:
         asyncio.run(self._publish_and_inject(deadline))
 
     async def _publish_and_inject(self, deadline: float) -> None:
-        import redis.asyncio as redis_asyncio
-
-        from keyserial.streams import KeyedStream
-
         client = redis_asyncio.Redis.from_url(self.url)
         stream = KeyedStream(client, STREAM, self.partitions, lease=self.lease)
         sequence = [0] * self.keys
@@ -251,27 +249,12 @@ class Chaos:
     def dead(self) -> set[tuple[str, int]]:
         found: set[tuple[str, int]] = set()
         for partition in range(self.partitions):
-            rows: Any = self.redis.xrange(self.stream_key(partition, "dead"))
-            for _, fields in rows:
-                found.add((self.key_of(fields), int(fields[b"seq"])))
+            rows: Any = self.redis.xrange(self.names.dead_letter_name(partition))
+            for dead_id, fields in rows:
+                letter = entry_of([dead_id, [part for pair in fields.items() for part in pair]], 1)
+                assert isinstance(letter.key, str)
+                found.add((letter.key, int(letter.fields["seq"])))
         return found
-
-    def stream_key(self, partition: int, part: str) -> str:
-        from keyserial.redis._names import base_name, encode_key, encoded_namespace
-
-        return base_name(
-            encoded_namespace(f"keyserial.streams/{STREAM}"), encode_key(partition)
-        ) + (":" + part)
-
-    @staticmethod
-    def key_of(fields: dict[bytes, bytes]) -> str:
-        import base64
-
-        from keyserial._keycodec import deserialize_key
-
-        key = deserialize_key(base64.b64decode(fields[b"keyserial.key"]))
-        assert isinstance(key, str)
-        return key
 
     def wait_until_done(self, deadline: float) -> None:
         expected = len(self.fates)
@@ -333,7 +316,7 @@ class Chaos:
         if lost:
             report.problems.append(f"{len(lost)} messages lost, e.g. {lost[:5]}")
         for partition in range(self.partitions):
-            pending: Any = self.redis.xpending(self.stream_key(partition, "stream"), "keyserial")
+            pending: Any = self.redis.xpending(self.names.stream_name(partition), "keyserial")
             if pending["pending"]:
                 report.problems.append(f"partition {partition}: {pending['pending']} pending")
 

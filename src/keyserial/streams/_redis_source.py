@@ -175,7 +175,8 @@ class RedisStreamSource(StreamSource):
     ) -> tuple[str, Sequence[Entry]]:
         reply = await self._script(self._claim, partition, fence, consumer, start, count)
         entries = [
-            _entry(raw, int(deliveries)) for raw, deliveries in zip(reply[2], reply[3], strict=True)
+            entry_of(raw, int(deliveries))
+            for raw, deliveries in zip(reply[2], reply[3], strict=True)
         ]
         return text(reply[1]), entries
 
@@ -185,7 +186,7 @@ class RedisStreamSource(StreamSource):
         reply = await self._script(self._read, partition, fence, consumer, count)
         if text(reply[0]) == "empty":
             return text(reply[1])
-        return [_entry(raw, 1) for raw in reply[1]]
+        return [entry_of(raw, 1) for raw in reply[1]]
 
     async def wait(self, partition: int, after: str, timeout: float) -> None:
         if self._waits.locked():
@@ -217,7 +218,7 @@ class RedisStreamSource(StreamSource):
         found: list[DeadLetter] = []
         rows: Any = await self._client.xrange(self.dead_letter_name(partition), count=count)
         for dead_id, flat in rows:
-            entry = _entry([dead_id, [part for pair in flat.items() for part in pair]], 1)
+            entry = entry_of([dead_id, [part for pair in flat.items() for part in pair]], 1)
             fields = dict(entry.fields)
             found.append(
                 DeadLetter(
@@ -265,7 +266,7 @@ class _Ownership:
         return await self._lock.__aexit__(*exc_info)
 
 
-def _entry(raw: Sequence[Any], deliveries: int) -> Entry:
+def entry_of(raw: Sequence[Any], deliveries: int) -> Entry:
     """An ``Entry`` from a stream entry as Redis sends it: ``[id, [field, value, ...]]``."""
     flat = raw[1]
     fields: dict[str, str] = {}
