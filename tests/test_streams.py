@@ -200,7 +200,7 @@ async def test_after_max_attempts_a_message_is_dead_lettered_and_its_key_moves_o
     [dead] = await stream.dead_letters()
     assert (dead.key, dead.id, dead.partition) == (("seg", 1), poison, 0)
     assert dead.fields == {"kind": "poison", "text": "???"}
-    assert dead.error == "ValueError: cannot parse '???'"
+    assert (dead.error, dead.deliveries) == ("ValueError: cannot parse '???'", 1)
     assert stream.stats().dead_lettered == 1
     assert await pending(clients(), stream, 0) == []  # dead-lettered means acknowledged
 
@@ -225,10 +225,52 @@ async def test_a_new_owner_first_finishes_the_previous_owners_unacknowledged_mes
 
     running.start(stream)
     await until(lambda: len(log) == 4, "all four handled")
-    assert log == [(0, 2), (1, 2), (2, 1), (3, 1)]
+    # Message 1 sat behind message 0 of its key: it never started, so the claim that
+    # handed it out again does not count as a delivery.
+    assert log == [(0, 2), (1, 1), (2, 1), (3, 1)]
     # The dead owner's name leaves the group once nothing is pending under it.
     consumers: Any = await client.xinfo_consumers(name, "keyserial")
     assert b"dead-owner" not in [consumer["name"] for consumer in consumers]
+
+
+async def test_a_message_handed_out_more_than_max_deliveries_times_is_dead_lettered_unrun(
+    streams: Streams, clients: Clients, running: Running
+) -> None:
+    stream = streams(partitions=1)
+    client = clients()
+    name = redis_names(stream).stream_name(0)
+    pill = await stream.publish("pill", {"n": 0})
+    follower = await stream.publish("pill", {"n": 1})
+    survivor = await stream.publish("lucky", {"n": 0})
+    await stream.publish("pill", {"n": 2})
+    # Earlier owners read the first three and died: Redis counts each hand-out, the next
+    # owner's claim included. The pill goes from 2 to 3, over the bound of 2; the survivor
+    # from 1 to 2, at it. The follower, behind the pill, never started: its count is set
+    # back to what it was.
+    await client.xgroup_create(name, "keyserial", id="0", mkstream=True)
+    await client.xreadgroup("keyserial", "dead-owner", {name: ">"}, count=3)
+    await client.xclaim(name, "keyserial", "dead-owner", 0, [pill], retrycount=2)
+    await client.xclaim(name, "keyserial", "dead-owner", 0, [follower], retrycount=2)
+    await client.xclaim(name, "keyserial", "dead-owner", 0, [survivor], retrycount=1)
+    ran: list[tuple[Hashable, str, int]] = []
+    counted: list[int] = []
+
+    @stream.consumer(max_deliveries=2)
+    async def handle(message: StreamMessage) -> None:
+        ran.append((message.key, message.fields["n"], message.deliveries))
+        if message.id == follower:  # what a later owner would be told, were this one to die
+            rows: Any = await client.xpending_range(name, "keyserial", follower, follower, 1)
+            counted.append(rows[0]["times_delivered"])
+
+    running.start(stream)
+    await until(lambda: len(ran) == 3, "the survivor and the pill's next messages handled")
+    assert sorted(ran, key=str) == [("lucky", "0", 2), ("pill", "1", 2), ("pill", "2", 1)]
+    assert counted == [2]
+    [dead] = await stream.dead_letters()
+    assert (dead.key, dead.id, dead.deliveries) == ("pill", pill, 3)
+    assert dead.error.startswith("delivered 3 times, more than max_deliveries=2"), dead.error
+    assert stream.stats().dead_lettered == 1
+    assert await pending(client, stream, 0) == []
 
 
 async def test_an_owner_that_lost_its_partition_cannot_acknowledge_and_the_message_runs_again(
@@ -386,6 +428,10 @@ async def test_bad_input_is_refused_with_what_was_wrong(streams: Streams, client
         await stream.run()
     with pytest.raises(ValueError, match="max_in_flight must be a positive int, got 0"):
         stream.consumer(max_in_flight=0)
+    with pytest.raises(ValueError, match="max_deliveries must be a positive int or None, got 0"):
+        stream.consumer(max_deliveries=0)
+    with pytest.raises(ValueError, match="max_deliveries must be a positive int or None, got True"):
+        stream.consumer(max_deliveries=True)
 
     def not_async(message: StreamMessage) -> None: ...
 
@@ -434,8 +480,9 @@ async def test_a_failed_ack_holds_the_key_until_the_message_is_run_again_first(
     running.start(stream)
     await until(lambda: stream.stats().handled == 2, "both handled")
     # The unacknowledged first message ran again before the second one ever started (the
-    # second was read by the first ownership too, so it comes as a second delivery).
-    assert starts == [("first", 1), ("first", 2), ("second", 2)]
+    # second was read by the first ownership too, but it never started there: a claim of
+    # a message behind an earlier one of its key does not count as a delivery).
+    assert starts == [("first", 1), ("first", 2), ("second", 1)]
 
 
 async def test_the_observer_sees_each_message_under_its_key_and_the_handlers_name(
@@ -508,7 +555,7 @@ async def test_a_handler_that_cancels_itself_holds_its_key_until_the_message_run
     await stream.publish("k", {"n": "second"})
     running.start(stream)
     await until(lambda: stream.stats().handled == 2, "both handled")
-    assert starts == [("first", 1), ("first", 2), ("second", 2)]
+    assert starts == [("first", 1), ("first", 2), ("second", 1)]  # as for a failed ack
 
 
 async def test_idle_partitions_beyond_the_pool_poll_instead_of_failing(

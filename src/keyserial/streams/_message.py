@@ -12,8 +12,10 @@ class StreamMessage:
 
     ``id`` is the message's id in its partition (ids grow with publication order, so a
     handler can refuse a message older than one it already applied); ``attempt`` counts
-    this owner's attempts (1 on the first); ``deliveries`` how often the broker handed the
-    message out, more than 1 after an earlier owner crashed or lost it; ``fence`` the
+    this owner's attempts (1 on the first); ``deliveries`` how often the message was handed
+    out while it may have been running: 1 on its first read, one more for each owner that
+    crashed or lost the partition while it was its key's oldest unfinished message (past
+    ``max_deliveries``, it is dead-lettered instead of run); ``fence`` the
     partition owner's fencing token, larger for every new owner: a store that refuses
     writes with a lower fence than it has seen refuses a stale owner's writes.
 
@@ -37,7 +39,11 @@ class StreamMessage:
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
-    """A message that failed ``max_attempts`` times, with the error of its last attempt."""
+    """A message that failed ``max_attempts`` times, with the error of its last attempt, or
+    that was handed out more than ``max_deliveries`` times, with that as its error.
+
+    ``deliveries`` is how often Redis had handed the message out when it was dead-lettered.
+    """
 
     key: Hashable
     fields: Mapping[str, str]
@@ -45,6 +51,7 @@ class DeadLetter:
     partition: int
     error: str
     dead_letter_id: str
+    deliveries: int = 1
 
 
 @dataclass(slots=True)

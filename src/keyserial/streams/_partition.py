@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .._queue import KeyedSerialQueue
 from ._message import StreamCounts, StreamMessage
+from ._redeliveries import Redeliveries
 from ._source import Entry, StreamSource
 
 Handler = Callable[[StreamMessage], Awaitable[Any]]
@@ -138,6 +139,7 @@ class PartitionWorker:
         in_flight: InFlight,
         counts: StreamCounts,
         max_attempts: int,
+        max_deliveries: int | None,
         retry_delay: float,
     ) -> None:
         self.source = source
@@ -149,6 +151,8 @@ class PartitionWorker:
         self.in_flight = in_flight
         self.counts = counts
         self.max_attempts = max_attempts
+        self.redeliveries = Redeliveries(max_deliveries)
+        self._solo = asyncio.Lock()  # held by a suspect's run (see Redeliveries)
         self.retry_delay = retry_delay
         self.acks = AckBatcher(source, partition, fence, counts)
         self.tasks: set[asyncio.Task[None]] = set()
@@ -185,6 +189,7 @@ class PartitionWorker:
                 start, entries = await self.source.claim(
                     self.partition, self.fence, self.consumer, start, room
                 )
+                entries = await self._recount(entries)
             except BaseException:
                 self.in_flight.release(room)
                 raise
@@ -192,6 +197,14 @@ class PartitionWorker:
             self._dispatch(entries)
             if start == "0-0":
                 return
+
+    async def _recount(self, entries: Sequence[Entry]) -> Sequence[Entry]:
+        """``entries`` with the deliveries that cannot have run taken back (see
+        ``Redeliveries``), in the broker too, so that the next owner sees the same counts."""
+        kept, corrected = self.redeliveries.recount(entries)
+        if corrected:
+            await self.source.set_deliveries(self.partition, self.fence, self.consumer, corrected)
+        return kept
 
     async def _read(self, stop: asyncio.Event) -> None:
         while not stop.is_set() and self.failure is None:
@@ -249,7 +262,17 @@ class PartitionWorker:
             self._fail(task.exception())  # type: ignore[arg-type]
 
     async def _handle(self, entry: Entry) -> None:
-        """Run ``entry`` in its key's turn: retried, then acknowledged or dead-lettered.
+        """Run ``entry`` in its key's turn; a suspect alone, until its ack (see Redeliveries)."""
+        if entry.id not in self.redeliveries.suspects:
+            await self._handle_entry(entry)
+            return
+        # Suspects were dispatched in stream order, and each is the head of its key, so
+        # they queue here, for a lock that wakes its waiters in order, in stream order.
+        async with self._solo:
+            await self._handle_entry(entry)
+
+    async def _handle_entry(self, entry: Entry) -> None:
+        """Run ``entry``: retried, then acknowledged or dead-lettered.
 
         If the ack or the dead letter fails, the key's turn is *not* given up: the next
         message of the key must not start while this one may still run again (it is
@@ -257,7 +280,9 @@ class PartitionWorker:
         first.
         """
         try:
-            error = entry.malformed or await self._attempts(entry)
+            error = (
+                entry.malformed or self.redeliveries.refusal(entry) or await self._attempts(entry)
+            )
             if self._closing:
                 return  # shutdown, not the message, failed it: left for the next owner
         except asyncio.CancelledError:

@@ -7,7 +7,8 @@ names of the partition's parts from it, so they all share one hash slot:
 * ``<base>:holder`` — the partition's owner, ``"<ticket>:<fence>"``, written by the Redis
   backend when it grants the turn and expiring with the owner's lease;
 * ``<base>:stream`` — the partition's messages, read through the consumer group ``keyserial``;
-* ``<base>:dead`` — messages that failed ``max_attempts`` times, with their error.
+* ``<base>:dead`` — messages that failed ``max_attempts`` times, or were handed out more
+  than ``max_deliveries`` times, with their error.
 
 A script runs only for the owner holding ``fence`` now: a consumer that lost its lease (paused,
 cut off) can neither read new messages into its pending list, nor acknowledge, nor dead-letter
@@ -76,6 +77,23 @@ return {'ok', reply[1], entries, deliveries}
 """
 )
 
+# ARGV: fence, consumer, id, deliveries, id, deliveries, ... -> {'fenced'} | {'ok'}
+# Sets the delivery counts of messages the owner holds (a claim counted them, but they sat
+# behind an earlier message of their key and never started).
+SET_DELIVERIES = (
+    _OWNER
+    + """
+local fence, consumer = ARGV[1], ARGV[2]
+if not owns(fence) then
+  return {'fenced'}
+end
+for i = 3, #ARGV, 2 do
+  redis.call('XCLAIM', STREAM, GROUP, consumer, 0, ARGV[i], 'RETRYCOUNT', ARGV[i + 1], 'JUSTID')
+end
+return {'ok'}
+"""
+)
+
 # ARGV: fence, consumer, count -> {'fenced'} | {'ok', entries} | {'empty', last_id}
 # ``last_id`` is the partition's newest message id: every message up to it has been read,
 # so a blocking XREAD from it wakes on exactly the next one.
@@ -124,16 +142,16 @@ return {'ok', lag}
 """
 )
 
-# ARGV: fence, id, attempts, error, field, value, ... -> {'fenced'} | {'ok', dead_id}
+# ARGV: fence, id, deliveries, error, field, value, ... -> {'fenced'} | {'ok', dead_id}
 # Writes the message with its error to the dead-letter stream and acknowledges it, at once.
 DEAD_LETTER = (
     _OWNER
     + """
-local fence, id, attempts, error = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local fence, id, deliveries, error = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 if not owns(fence) then
   return {'fenced'}
 end
-local dead = redis.call('XADD', DEAD, '*', 'keyserial.id', id, 'keyserial.attempts', attempts,
+local dead = redis.call('XADD', DEAD, '*', 'keyserial.id', id, 'keyserial.deliveries', deliveries,
                         'keyserial.error', error, unpack(ARGV, 5))
 redis.call('XACK', STREAM, GROUP, id)
 return {'ok', dead}

@@ -53,7 +53,7 @@ def _as_text(value: object) -> str:
 
 #: Commands a consumer and a producer send beyond the Redis backend's (see acl_rules).
 _STREAM_COMMANDS = (
-    "xadd xread xreadgroup xack xautoclaim xpending xrange xrevrange xtrim "
+    "xadd xread xreadgroup xack xautoclaim xclaim xpending xrange xrevrange xtrim "
     "xinfo|groups xinfo|consumers xgroup|create xgroup|delconsumer zrange zremrangebyscore"
 )
 
@@ -122,6 +122,7 @@ class RedisStreamSource(StreamSource):
         self._read = LuaScript(scripts.READ)
         self._ack = LuaScript(scripts.ACK)
         self._dead = LuaScript(scripts.DEAD_LETTER)
+        self._set_deliveries = LuaScript(scripts.SET_DELIVERIES)
         self._members = LuaScript(scripts.MEMBERS)
 
     def stream_name(self, partition: int) -> str:
@@ -180,6 +181,12 @@ class RedisStreamSource(StreamSource):
         ]
         return text(reply[1]), entries
 
+    async def set_deliveries(
+        self, partition: int, fence: int, consumer: str, deliveries: Sequence[tuple[str, int]]
+    ) -> None:
+        flat = [part for pair in deliveries for part in pair]
+        await self._script(self._set_deliveries, partition, fence, consumer, *flat)
+
     async def read(
         self, partition: int, fence: int, consumer: str, count: int
     ) -> Sequence[Entry] | str:
@@ -232,6 +239,7 @@ class RedisStreamSource(StreamSource):
                     partition,
                     fields["keyserial.error"],
                     entry.id,
+                    int(fields.get("keyserial.deliveries", 1)),
                 )
             )
         return found

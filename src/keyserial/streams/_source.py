@@ -71,6 +71,12 @@ class StreamSource(Protocol):
         """
         ...
 
+    async def set_deliveries(
+        self, partition: int, fence: int, consumer: str, deliveries: Sequence[tuple[str, int]]
+    ) -> None:
+        """Set the delivery counts of claimed messages: ``(id, deliveries)`` pairs."""
+        ...
+
     async def read(
         self, partition: int, fence: int, consumer: str, count: int
     ) -> Sequence[Entry] | str:

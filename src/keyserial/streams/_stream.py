@@ -37,6 +37,11 @@ MIN_STREAM_LEASE = 0.2
 #: membership last this share of it, and a waiting owner or a rebalance looks again every
 #: fifth of that, so the last look falls before ``lease`` has passed.
 OWNERSHIP_SHARE = 0.6
+#: Hand-outs of a message after which it is dead-lettered unrun. A message is handed out
+#: again only when its owner stopped before finishing it, and a rebalance lets running
+#: handlers finish first: twenty owners lost in a row while it ran is a message that kills
+#: its consumer, not bad luck, while a flapping connection stays well below it.
+DEFAULT_MAX_DELIVERIES = 20
 
 
 class _Slot:
@@ -66,6 +71,9 @@ class KeyedStream:
     * at least once: a message is acknowledged only after its handler returned, and
       before the next message of its key starts; a handler that raises is retried
       (``max_attempts``) while its key waits, then dead-lettered with its error;
+    * a message whose owners keep dying while it runs (it crashes its process) is
+      dead-lettered unrun once Redis handed it out more than ``max_deliveries`` times,
+      so it cannot take every consumer down in turn;
     * a new owner first runs the previous owner's unacknowledged messages, in stream
       order; a message runs twice only when its owner crashed or lost its lease, and
       [StreamMessage.fence][keyserial.streams.StreamMessage] lets a store refuse the
@@ -124,6 +132,7 @@ class KeyedStream:
         self._handler: Handler | None = None
         self._max_in_flight = 1000
         self._max_attempts = 5
+        self._max_deliveries: int | None = DEFAULT_MAX_DELIVERIES
         self._retry_delay = 0.1
         self._drain_timeout = 30.0
         self._observer: QueueObserver | None = None
@@ -171,6 +180,7 @@ class KeyedStream:
         *,
         max_in_flight: int = 1000,
         max_attempts: int = 5,
+        max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
         retry_delay: float = 0.1,
         drain_timeout: float = 30.0,
         observer: QueueObserver | None = None,
@@ -180,18 +190,30 @@ class KeyedStream:
         ``max_in_flight`` bounds the messages read but not finished in this
         process; ``max_attempts`` the attempts per message before it is
         dead-lettered, waiting ``retry_delay`` seconds (doubled each time) in
-        between; ``drain_timeout`` how long a graceful stop, or the hand-over of a
+        between; ``max_deliveries`` how often Redis may hand a message out
+        (each earlier owner died or lost the partition before finishing it)
+        before the next owner dead-letters it without running it, ``None`` for
+        no bound; ``drain_timeout`` how long a graceful stop, or the hand-over of a
         partition to another consumer, lets running handlers finish. ``observer``
         receives the in-process queue's hooks, with the message key as key.
 
         Raises:
-            ValueError: a bound is not a positive int, a delay is negative, or a
-                handler is already registered.
+            ValueError: a bound is not a positive int (``max_deliveries`` may
+                also be ``None``), a delay is negative, or a handler is already
+                registered.
             TypeError: the handler is not an ``async def`` function.
         """
         for label, bound in (("max_in_flight", max_in_flight), ("max_attempts", max_attempts)):
             if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
                 raise ValueError(f"{label} must be a positive int, got {bound!r}")
+        if max_deliveries is not None and (
+            isinstance(max_deliveries, bool)
+            or not isinstance(max_deliveries, int)
+            or max_deliveries < 1
+        ):
+            raise ValueError(
+                f"max_deliveries must be a positive int or None, got {max_deliveries!r}"
+            )
         for label, seconds in (("retry_delay", retry_delay), ("drain_timeout", drain_timeout)):
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
                 raise ValueError(
@@ -208,6 +230,7 @@ class KeyedStream:
                 raise ValueError(f"stream {self.name!r} already has a handler")
             self._handler = handler
             self._max_in_flight, self._max_attempts = max_in_flight, max_attempts
+            self._max_deliveries = max_deliveries
             self._retry_delay, self._drain_timeout = float(retry_delay), float(drain_timeout)
             self._observer = observer
             self._in_flight = InFlight(max_in_flight)
@@ -314,6 +337,7 @@ class KeyedStream:
                         self._in_flight,
                         self._counts,
                         self._max_attempts,
+                        self._max_deliveries,
                         self._retry_delay,
                     )
                     await worker.run(slot.stop, self._drain_timeout)
