@@ -8,6 +8,7 @@ from contextvars import Token
 from types import TracebackType
 from typing import Any
 
+from .._cancels import cancel_count, withdraw_cancel
 from .._errors import LeaseLost
 from .._fence import enter_lock_block, exit_lock_block
 from .._protocols import KeyLock
@@ -21,6 +22,7 @@ class RedisLock:
     """``RedisKeyedQueue.lock()``: the local turn, then the Redis turn, for a block."""
 
     __slots__ = (
+        "_cancels_before",
         "_encoded",
         "_fence_token",
         "_keeper",
@@ -42,6 +44,7 @@ class RedisLock:
         self._task: Task | None = None
         self._keeper: LeaseKeeper | None = None
         self._fence_token: Token[Any] | None = None
+        self._cancels_before = 0  # the task's pending cancellations when the turn began
 
     @property
     def fence(self) -> int | None:
@@ -62,6 +65,7 @@ class RedisLock:
                 await self._local.__aexit__(None, None, None)
                 raise
             self._turn, self._task = turn, task
+            self._cancels_before = cancel_count(task)
         held = turn
         owner = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the block's coroutine
         self._fence_token = enter_lock_block(owner, lambda: held.fence)
@@ -85,7 +89,9 @@ class RedisLock:
             # (cancelled, failed): a release that could not be sent is left to the lease.
             await self._local.__aexit__(exc_type, exc, tb)
         if turn is not None and task is not None and lost:
-            if isinstance(exc, asyncio.CancelledError) and sys.version_info >= (3, 11):
-                task.uncancel()
+            if isinstance(exc, asyncio.CancelledError) and not (
+                turn.lost and withdraw_cancel(task, self._cancels_before)
+            ):
+                return False  # cancelled from elsewhere: that cancellation goes on
             raise LeaseLost(self._encoded, turn.fence)
         return False

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 import redis.asyncio as redis_asyncio
 
+from .._cancels import cancel_count, withdraw_cancel
 from .._errors import LeaseLost
 from .._fence import register_turn_code
 from .._protocols import KeyLock
@@ -131,12 +131,11 @@ class RedisKeyedQueue:
         if turn is not None:  # re-entry: the outer turn holds the key
             return await fn(*args, **kwargs)
         turn, keeper = await turns.take(encoded, deadline, task)
+        before = cancel_count(task)
         try:
             result = await fn(*args, **kwargs)
         except asyncio.CancelledError:
-            if turn.lost:
-                if sys.version_info >= (3, 11):
-                    task.uncancel()
+            if turn.lost and withdraw_cancel(task, before):  # the keeper's own cancellation
                 raise LeaseLost(encoded, turn.fence) from None
             raise
         finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import Coroutine
 from typing import Any
 
@@ -19,6 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .._cancels import cancel_count, withdraw_cancel
 from .._loops import drop_closed_loops
 from . import _scripts as scripts
 from ._grants import GrantListener, finished_within, time_up
@@ -74,6 +74,7 @@ class RedisTurns:
         limit = loop.time() + self.lease
         times_out = deadline is not None and deadline <= limit
         task: Task = asyncio.current_task()  # type: ignore[assignment]
+        before = cancel_count(task)
         expired = False
 
         def expire() -> None:
@@ -85,10 +86,8 @@ class RedisTurns:
         try:
             return await self.runner.call(script, base, *args)
         except asyncio.CancelledError:
-            if not expired:
+            if not expired or not withdraw_cancel(task, before):
                 raise
-            if sys.version_info >= (3, 11):
-                task.uncancel()
             if times_out:
                 raise TimeoutError(f"timed out waiting for the turn of {base!r}") from None
             raise RedisUnavailable(
