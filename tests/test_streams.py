@@ -16,7 +16,7 @@ from keyserial.redis._transport import text
 from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage, acl_rules
 
 from .redis_helpers import Clients, until
-from .redis_server import RedisServer
+from .redis_server import RedisServer, redis_server_binary
 
 pytestmark = pytest.mark.asyncio
 
@@ -424,6 +424,8 @@ async def test_bad_input_is_refused_with_what_was_wrong(streams: Streams, client
         KeyedStream(clients(), "s", lease=0.01)
     with pytest.raises(ValueError, match="name must be a non-empty string"):
         KeyedStream(clients(), "")
+    with pytest.raises(TypeError, match=r"needs a redis\.asyncio\.Redis or .*RedisCluster client"):
+        KeyedStream(object(), "s")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="has no handler"):
         await stream.run()
     with pytest.raises(ValueError, match="max_in_flight must be a positive int, got 0"):
@@ -644,3 +646,41 @@ async def test_a_user_restricted_to_the_documented_acl_publishes_and_consumes(
     finally:
         await running.stop(stream)
         await stream.aclose()
+
+
+async def test_works_with_a_redis_cluster_client() -> None:
+    server = RedisServer(redis_server_binary(), cluster=True)
+    server.start()
+    client = redis.RedisCluster(host="127.0.0.1", port=server.port)
+    try:
+        if not hasattr(client, "pubsub"):  # redis-py before 8.0: no asyncio cluster pub/sub
+            with pytest.raises(TypeError, match=r"RedisCluster has it from redis-py 8\.0"):
+                KeyedStream(client, "s")
+            return
+        # A cluster refuses a script whose keys lie in different slots, even on one node.
+        stream = KeyedStream(client, "s", partitions=4, lease=LEASE)
+        handled: list[tuple[Hashable, int]] = []
+
+        @stream.consumer(max_attempts=1)
+        async def handle(message: StreamMessage) -> None:
+            if message.fields["n"] == "bad":
+                raise ValueError("bad")
+            handled.append((message.key, int(message.fields["n"])))
+
+        for n in range(40):
+            await stream.publish(f"k{n % 8}", {"n": n})
+        await stream.publish("k0", {"n": "bad"})
+        run = asyncio.create_task(stream.run())
+        await until(lambda: len(handled) == 40, "every message handled")
+        for key in {key for key, _ in handled}:
+            mine = [n for k, n in handled if k == key]
+            assert mine == sorted(mine)
+        [dead] = await stream.dead_letters()
+        assert (dead.key, dead.error) == ("k0", "ValueError: bad")
+        assert len({stream.source.partition_of(f"k{n}") for n in range(8)}) > 1
+        stream.stop()
+        await run
+        await stream.aclose()
+    finally:
+        await client.aclose()
+        server.close()

@@ -91,12 +91,16 @@ class RedisStreamSource(StreamSource):
     """
 
     def __init__(
-        self, client: redis_asyncio.Redis, name: str, partitions: int, lease: float
+        self,
+        client: redis_asyncio.Redis | redis_asyncio.RedisCluster,
+        name: str,
+        partitions: int,
+        lease: float,
     ) -> None:
-        if not isinstance(client, redis_asyncio.Redis):
+        if not isinstance(client, (redis_asyncio.Redis, redis_asyncio.RedisCluster)):
             raise TypeError(
-                "KeyedStream needs a redis.asyncio.Redis client, not "
-                f"{type(client).__module__}.{type(client).__qualname__}"
+                "KeyedStream needs a redis.asyncio.Redis or redis.asyncio.RedisCluster "
+                f"client, not {type(client).__module__}.{type(client).__qualname__}"
             )
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, not {type(name).__name__}")
@@ -116,7 +120,9 @@ class RedisStreamSource(StreamSource):
         # The pool is shared with the partitions' turns (half of it for their scripts): a
         # quarter for reads and acks, and at most a quarter for idle partitions' waits.
         self._runner = ScriptRunner(client, share=0.25)
-        bound = client.connection_pool.max_connections or 100
+        # A cluster client has a pool per node, each bounded by its own max_connections.
+        pool = getattr(client, "connection_pool", client)
+        bound = getattr(pool, "max_connections", None) or 100
         self._waits = asyncio.Semaphore(max(1, min(MAX_BLOCKING_WAITS, bound // 4 - 1)))
         self._claim = LuaScript(scripts.CLAIM)
         self._read = LuaScript(scripts.READ)

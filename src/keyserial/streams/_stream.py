@@ -83,7 +83,8 @@ class KeyedStream:
     * reading stops while ``max_in_flight`` messages are unfinished.
 
     Args:
-        client: a ``redis.asyncio.Redis`` client (Redis 7.0 or later).
+        client: a ``redis.asyncio.Redis`` client (Redis 7.0 or later), or a
+            ``redis.asyncio.RedisCluster`` (redis-py 8.0 or later).
         name: the stream's name; producers and consumers use the same one.
         partitions: how many partitions; fixed for the stream's life (it decides
             where each key's messages go), and the most consumers that can share the work.
@@ -111,7 +112,7 @@ class KeyedStream:
 
     def __init__(
         self,
-        client: redis_asyncio.Redis,
+        client: redis_asyncio.Redis | redis_asyncio.RedisCluster,
         name: str,
         partitions: int = 16,
         *,
