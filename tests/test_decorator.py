@@ -253,6 +253,19 @@ async def test_key_failures_raise_from_the_call_naming_the_function() -> None:
     assert isinstance(info.value.__cause__, KeyError)
     with pytest.raises(TypeError, match=r"needs_seg\(\) missing required argument: 'seg_id'"):
         _ = needs_seg()  # type: ignore[call-arg]
+    # A key read from a parameter that cannot be hashed, passed by position or by name.
+    with pytest.raises(TypeError, match=r"needs_seg: could not get a hashable queue key"):
+        _ = needs_seg(["not", "hashable"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"needs_seg: could not get a hashable queue key"):
+        _ = needs_seg(seg_id=["not", "hashable"])  # type: ignore[arg-type]
+
+    class Service:
+        @serialized(key="seg_id")
+        async def handle(self, seg_id: str) -> None:
+            raise AssertionError("must not run")
+
+    with pytest.raises(TypeError, match=r"Service.handle: could not get a hashable queue key"):
+        _ = Service().handle(["not", "hashable"])  # type: ignore[arg-type]
     assert len(default_queue()) == 0
 
 

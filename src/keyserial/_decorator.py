@@ -19,6 +19,8 @@ from ._keys import (
     constant_key,
     key_from_function,
     key_from_parameter,
+    parameter_position,
+    unhashable_key,
 )
 from ._protocols import MultiKeySerialQueue, SerialQueue
 
@@ -167,11 +169,32 @@ def _serialize(
     ) -> Coroutine[Any, Any, Any]:
         return call(extract(instance, args, kwargs), wrapped, args, kwargs, timeout, group)
 
+    # Where the key sits among a call's positional arguments, when it can be passed so.
+    position = (
+        parameter_position(_underlying_function(fn), key, qualname) if isinstance(key, str) else -1
+    )
+
     class SerializedFunction(_SerializedFunction):
         # A class per decorated function lets the unbound call path read what it needs from
         # this closure: attribute lookups on a wrapt proxy cost about 100 ns each.
-        def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-            return call(extract(None, args, kwargs), fn, args, kwargs, timeout, group)
+        if position >= 0:
+            # The key passed by position, read here rather than by ``extract``: a call
+            # frame less is 4% of a decorated call. ``extract`` reads it otherwise.
+            def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+                if len(args) > position:
+                    call_key = args[position]
+                    try:
+                        hash(call_key)
+                    except Exception as exc:
+                        raise unhashable_key(qualname, exc) from exc
+                else:
+                    call_key = extract(None, args, kwargs)
+                return call(call_key, fn, args, kwargs, timeout, group)
+
+        else:
+
+            def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+                return call(extract(None, args, kwargs), fn, args, kwargs, timeout, group)
 
         if isinstance(fn, types.FunctionType):
             __get__ = _bind_plain_method

@@ -122,23 +122,7 @@ def key_from_parameter(
     Raises:
         ValueError: ``func`` has no parameter ``name``, or it is ``*args``/``**kwargs``.
     """
-    try:
-        parameters = list(inspect.signature(func).parameters.values())
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"cannot read the signature of {qualname} to find {name!r}") from exc
-    found = [(i, p) for i, p in enumerate(parameters) if p.name == name]
-    if not found:
-        names = ", ".join(p.name for p in parameters) or "none"
-        raise ValueError(f"{qualname} has no parameter {name!r} to key by (parameters: {names})")
-    position, parameter = found[0]
-    if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-        raise ValueError(f"{qualname}: cannot key by variadic parameter {name!r}")
-    if parameter.kind is parameter.KEYWORD_ONLY:
-        position = -1
-    elif any(p.kind is p.VAR_POSITIONAL for p in parameters[:position]):
-        position = -1  # after *args it can only be passed by keyword
-    positional_only = parameter.kind is parameter.POSITIONAL_ONLY
-    default = _MISSING if parameter.default is parameter.empty else parameter.default
+    position, positional_only, default = _parameter(func, name, qualname)
 
     def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # One function (no separate hashing step): it runs on every decorated call.
@@ -166,3 +150,36 @@ def key_from_parameter(
         return default
 
     return extract
+
+
+def parameter_position(func: Callable[..., Any], name: str, qualname: str) -> int:
+    """Where parameter ``name`` of ``func`` sits among a call's positional arguments (``self``
+    counted), or -1 if it can only be passed by keyword.
+
+    Raises:
+        ValueError: as ``key_from_parameter``.
+    """
+    return _parameter(func, name, qualname)[0]
+
+
+def _parameter(func: Callable[..., Any], name: str, qualname: str) -> tuple[int, bool, Any]:
+    """Parameter ``name`` of ``func``: its position (-1: keyword only), whether it is
+    positional-only, and its default (``_MISSING`` if none)."""
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"cannot read the signature of {qualname} to find {name!r}") from exc
+    found = [(i, p) for i, p in enumerate(parameters) if p.name == name]
+    if not found:
+        names = ", ".join(p.name for p in parameters) or "none"
+        raise ValueError(f"{qualname} has no parameter {name!r} to key by (parameters: {names})")
+    position, parameter = found[0]
+    if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+        raise ValueError(f"{qualname}: cannot key by variadic parameter {name!r}")
+    if parameter.kind is parameter.KEYWORD_ONLY:
+        position = -1
+    elif any(p.kind is p.VAR_POSITIONAL for p in parameters[:position]):
+        position = -1  # after *args it can only be passed by keyword
+    positional_only = parameter.kind is parameter.POSITIONAL_ONLY
+    default = _MISSING if parameter.default is parameter.empty else parameter.default
+    return position, positional_only, default
