@@ -72,8 +72,9 @@ class KeyedStream:
       before the next message of its key starts; a handler that raises is retried
       (``max_attempts``) while its key waits, then dead-lettered with its error;
     * a message whose owners keep dying while it runs (it crashes its process) is
-      dead-lettered unrun once Redis handed it out more than ``max_deliveries`` times,
-      so it cannot take every consumer down in turn;
+      dead-lettered unrun once it was handed out more than ``max_deliveries`` times
+      while it may have been running, so it cannot take every consumer down in turn
+      (the messages pending beside it are not charged with its crashes);
     * a new owner first runs the previous owner's unacknowledged messages, in stream
       order; a message runs twice only when its owner crashed or lost its lease, and
       [StreamMessage.fence][keyserial.streams.StreamMessage] lets a store refuse the
@@ -191,10 +192,11 @@ class KeyedStream:
         ``max_in_flight`` bounds the messages read but not finished in this
         process; ``max_attempts`` the attempts per message before it is
         dead-lettered, waiting ``retry_delay`` seconds (doubled each time) in
-        between; ``max_deliveries`` how often Redis may hand a message out
-        (each earlier owner died or lost the partition before finishing it)
-        before the next owner dead-letters it without running it, ``None`` for
-        no bound; ``drain_timeout`` how long a graceful stop, or the hand-over of a
+        between; ``max_deliveries`` how often a message may be handed out while
+        it may have been running (each earlier owner died or lost the partition
+        before finishing it, see ``StreamMessage.deliveries``) before the next
+        owner dead-letters it without running it, ``None`` for no bound;
+        ``drain_timeout`` how long a graceful stop, or the hand-over of a
         partition to another consumer, lets running handlers finish. ``observer``
         receives the in-process queue's hooks, with the message key as key.
 
