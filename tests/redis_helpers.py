@@ -1,14 +1,35 @@
-"""Helpers of the Redis tests: clients of the test's server, and waiting for a condition."""
+"""Helpers of the Redis tests: clients of the test's server, a one-node cluster, and waiting
+for a condition."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncGenerator, Callable
 
 import redis.asyncio as redis
 
+from .redis_server import RedisServer, redis_server_binary
+
 #: Makes a Redis client for the test's private server (one per simulated process).
 Clients = Callable[..., redis.Redis]
+
+
+@contextlib.asynccontextmanager
+async def one_node_cluster() -> AsyncGenerator[redis.RedisCluster]:
+    """A client of a private Redis Cluster of one node, holding every slot.
+
+    One node is enough to test cluster support: a cluster refuses a script or command
+    whose keys lie in different slots whatever the number of nodes.
+    """
+    server = RedisServer(redis_server_binary(), cluster=True)
+    server.start()
+    client = redis.RedisCluster(host="127.0.0.1", port=server.port)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+        server.close()
 
 
 async def until(condition: Callable[[], bool], what: str, seconds: float = 10.0) -> None:

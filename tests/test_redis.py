@@ -16,8 +16,8 @@ from keyserial import LeaseLost, current_fence, serialized
 from keyserial.redis import RedisKeyedQueue, RedisUnavailable, encode_key
 from keyserial.redis._transport import LuaScript, ScriptRunner
 
-from .redis_helpers import Clients, until
-from .redis_server import RedisServer, redis_server_binary
+from .redis_helpers import Clients, one_node_cluster, until
+from .redis_server import RedisServer
 from .scheduling import Recorder
 
 pytestmark = pytest.mark.asyncio
@@ -499,18 +499,12 @@ async def test_a_script_error_is_raised_and_the_connection_stays_usable(
 
 
 async def test_works_with_a_redis_cluster_client() -> None:
-    server = RedisServer(redis_server_binary(), cluster=True)
-    server.start()
-    client = redis.RedisCluster(host="127.0.0.1", port=server.port)
-    try:
+    async with one_node_cluster() as client:
         if not hasattr(client, "pubsub"):  # redis-py before 8.0: no asyncio cluster pub/sub
             with pytest.raises(TypeError, match=r"RedisCluster has it from redis-py 8\.0"):
                 RedisKeyedQueue(client, namespace="t")
             return
         await _serializes_across_two_queues(client)
-    finally:
-        await client.aclose()
-        server.close()
 
 
 async def _serializes_across_two_queues(client: redis.RedisCluster) -> None:

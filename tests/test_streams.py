@@ -15,8 +15,8 @@ from keyserial._observer import Outcome
 from keyserial.redis._transport import text
 from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage, acl_rules
 
-from .redis_helpers import Clients, until
-from .redis_server import RedisServer, redis_server_binary
+from .redis_helpers import Clients, one_node_cluster, until
+from .redis_server import RedisServer
 
 pytestmark = pytest.mark.asyncio
 
@@ -90,6 +90,14 @@ async def pending(client: redis.Redis, stream: KeyedStream, partition: int) -> l
             raise
         return []  # never read: no owner has set the partition's group up yet
     return [row["message_id"].decode() for row in rows]
+
+
+async def read_by_a_dead_owner(client: redis.Redis, stream: KeyedStream, count: int) -> str:
+    """Make an earlier owner of partition 0 read its first ``count`` messages and die."""
+    name = redis_names(stream).stream_name(0)
+    await client.xgroup_create(name, "keyserial", id="0", mkstream=True)
+    await client.xreadgroup("keyserial", "dead-owner", {name: ">"}, count=count)
+    return name
 
 
 def redis_names(stream: KeyedStream) -> RedisStreamSource:
@@ -210,12 +218,10 @@ async def test_a_new_owner_first_finishes_the_previous_owners_unacknowledged_mes
 ) -> None:
     stream = streams(partitions=1)
     client = clients()
-    name = redis_names(stream).stream_name(0)
     for n in range(3):
         await stream.publish("k", {"n": n})
     # An earlier owner read the first two and died before acknowledging them.
-    await client.xgroup_create(name, "keyserial", id="0", mkstream=True)
-    await client.xreadgroup("keyserial", "dead-owner", {name: ">"}, count=2)
+    name = await read_by_a_dead_owner(client, stream, 2)
     await stream.publish("k", {"n": 3})
     log: list[tuple[int, int]] = []
 
@@ -238,7 +244,6 @@ async def test_a_message_handed_out_more_than_max_deliveries_times_is_dead_lette
 ) -> None:
     stream = streams(partitions=1)
     client = clients()
-    name = redis_names(stream).stream_name(0)
     pill = await stream.publish("pill", {"n": 0})
     follower = await stream.publish("pill", {"n": 1})
     survivor = await stream.publish("lucky", {"n": 0})
@@ -247,8 +252,7 @@ async def test_a_message_handed_out_more_than_max_deliveries_times_is_dead_lette
     # owner's claim included. The pill goes from 2 to 3, over the bound of 2; the survivor
     # from 1 to 2, at it. The follower, behind the pill, never started: its count is set
     # back to what it was.
-    await client.xgroup_create(name, "keyserial", id="0", mkstream=True)
-    await client.xreadgroup("keyserial", "dead-owner", {name: ">"}, count=3)
+    name = await read_by_a_dead_owner(client, stream, 3)
     await client.xclaim(name, "keyserial", "dead-owner", 0, [pill], retrycount=2)
     await client.xclaim(name, "keyserial", "dead-owner", 0, [follower], retrycount=2)
     await client.xclaim(name, "keyserial", "dead-owner", 0, [survivor], retrycount=1)
@@ -649,15 +653,11 @@ async def test_a_user_restricted_to_the_documented_acl_publishes_and_consumes(
 
 
 async def test_works_with_a_redis_cluster_client() -> None:
-    server = RedisServer(redis_server_binary(), cluster=True)
-    server.start()
-    client = redis.RedisCluster(host="127.0.0.1", port=server.port)
-    try:
+    async with one_node_cluster() as client:
         if not hasattr(client, "pubsub"):  # redis-py before 8.0: no asyncio cluster pub/sub
             with pytest.raises(TypeError, match=r"RedisCluster has it from redis-py 8\.0"):
                 KeyedStream(client, "s")
             return
-        # A cluster refuses a script whose keys lie in different slots, even on one node.
         stream = KeyedStream(client, "s", partitions=4, lease=LEASE)
         handled: list[tuple[Hashable, int]] = []
 
@@ -671,7 +671,10 @@ async def test_works_with_a_redis_cluster_client() -> None:
             await stream.publish(f"k{n % 8}", {"n": n})
         await stream.publish("k0", {"n": "bad"})
         run = asyncio.create_task(stream.run())
-        await until(lambda: len(handled) == 40, "every message handled")
+        await until(
+            lambda: len(handled) == 40 and stream.stats().dead_lettered == 1,
+            "every message handled, the bad one dead-lettered",
+        )
         for key in {key for key, _ in handled}:
             mine = [n for k, n in handled if k == key]
             assert mine == sorted(mine)
@@ -681,6 +684,3 @@ async def test_works_with_a_redis_cluster_client() -> None:
         stream.stop()
         await run
         await stream.aclose()
-    finally:
-        await client.aclose()
-        server.close()
