@@ -229,6 +229,13 @@ async def test_bad_input(pools: Pools) -> None:
     pool = await pools()
     with pytest.raises(TypeError, match="AsyncConnectionPool"):
         PostgresKeyedQueue(object(), namespace="n")  # type: ignore[arg-type]
+
+    class Pool:  # as asyncpg.create_pool() makes
+        pass
+
+    Pool.__module__ = "asyncpg.pool"
+    with pytest.raises(TypeError, match=r"not asyncpg\.pool\..*Pool \(asyncpg is not supported"):
+        PostgresKeyedQueue(Pool(), namespace="n")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="namespace must be a str"):
         PostgresKeyedQueue(pool, namespace=b"n")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="namespace"):

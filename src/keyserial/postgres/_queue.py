@@ -95,9 +95,13 @@ class PostgresKeyedQueue:
         schema: str | None = None,
     ) -> None:
         if not isinstance(pool, AsyncConnectionPool):
+            module = type(pool).__module__
+            why = ""
+            if module.partition(".")[0] == "asyncpg":
+                why = " (asyncpg is not supported: see Drivers on the PostgreSQL page)"
             raise TypeError(
                 "PostgresKeyedQueue needs a psycopg_pool.AsyncConnectionPool, not "
-                f"{type(pool).__module__}.{type(pool).__qualname__}"
+                f"{module}.{type(pool).__qualname__}{why}"
             )
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
