@@ -6,20 +6,24 @@ completion in a history list, through a script that refuses the record unless th
 ``msg.fence`` is still its partition's owner's fence — the way an application's store would
 refuse a stale owner's writes. Meanwhile the parent SIGKILLs consumers (a new one takes each
 one's place), SIGSTOPs them for up to twice the lease, and starts one more consumer partway.
-A few messages fail once (retried), a few always (dead-lettered). Afterwards it checks:
+A few messages fail once (retried), a few always (dead-lettered); with ``--killers``, that many
+messages kill the consumer process that runs them (``os._exit``), and the parent starts a new
+consumer for each one that died so. Afterwards it checks:
 
 * order: per key, no message started before every earlier message of the key had completed
   or was dead-lettered, and no start went back to an earlier message once a later one had
   started (a replay never runs behind newer work of its key);
 * nothing lost: every message completed or was dead-lettered, and only the always-failing
-  ones were dead-lettered; since a message is acknowledged only after it completed, an ack
-  past unfinished work would show as a message that never completed;
+  ones and the killers were dead-lettered (a killer once handed out more than
+  ``max_deliveries`` times, and no message pending beside it); since a message is
+  acknowledged only after it completed, an ack past unfinished work would show as a message
+  that never completed;
 * nothing left: once the consumers stopped gracefully, nothing is pending in any partition;
 * duplicates (completions beyond the first, after a kill or a lost lease) are counted.
 
 The test suite runs a small size (``test_stream_chaos.py``); the full size::
 
-    python -m tests.stream_chaos --messages 20000 --keys 1000 --seed 1
+    python -m tests.stream_chaos --messages 20000 --keys 1000 --seed 1 --killers 3
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ class StaleOwner(Exception):
 # -- the consumer process ---------------------------------------------------------------------
 
 
-async def consume(url: str, partitions: int, lease: float, seed: int) -> None:
+async def consume(url: str, partitions: int, lease: float, seed: int, max_deliveries: int) -> None:
     client = redis_asyncio.Redis.from_url(url)
     stream = KeyedStream(client, STREAM, partitions, lease=lease)
     source = stream.source
@@ -91,9 +95,17 @@ async def consume(url: str, partitions: int, lease: float, seed: int) -> None:
         if not await record(keys=[holder, HISTORY], args=[message.fence, text]):
             raise StaleOwner(f"fence {message.fence} no longer owns {message.partition}")
 
-    @stream.consumer(max_in_flight=200, max_attempts=3, retry_delay=0.005, drain_timeout=10)
+    @stream.consumer(
+        max_in_flight=200,
+        max_attempts=3,
+        max_deliveries=max_deliveries,
+        retry_delay=0.005,
+        drain_timeout=10,
+    )
     async def handle(message: StreamMessage) -> None:
         await fenced(message, "S")
+        if message.fields["fate"] == "killer":
+            os._exit(3)  # as a crash in an extension would: no cleanup, no ack
         await asyncio.sleep(rng.random() * 0.002)
         fate = message.fields["fate"]
         if fate == "poison" or (fate == "flaky" and message.attempt == 1):
@@ -142,9 +154,12 @@ class Chaos:
         partitions: int = 16,
         lease: float = 0.5,
         seed: int = 1,
+        killers: int = 0,
+        max_deliveries: int = 4,
         url: str,
     ) -> None:
         self.messages, self.keys = messages, keys
+        self.killers, self.max_deliveries = killers, max_deliveries
         self.consumers, self.partitions, self.lease = consumers, partitions, lease
         self.rng = random.Random(seed)
         self.url = url
@@ -164,7 +179,8 @@ class Chaos:
         )
         process = subprocess.Popen(
             [sys.executable, "-m", "tests.stream_chaos", "consume", self.url,
-             str(self.partitions), str(self.lease), str(self.rng.randrange(1 << 30))],
+             str(self.partitions), str(self.lease), str(self.rng.randrange(1 << 30)),
+             str(self.max_deliveries)],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=errors,
@@ -204,15 +220,19 @@ class Chaos:
         sequence = [0] * self.keys
         batches = 20
         per_batch = self.messages // batches
+        killers = set(self.rng.sample(range(batches * per_batch), self.killers))
         for batch in range(batches):
-            for _ in range(per_batch):
+            for n in range(per_batch):
                 key = self.rng.randrange(self.keys)
                 seq, sequence[key] = sequence[key], sequence[key] + 1
                 roll = self.rng.random()
                 fate = "poison" if roll < 0.002 else "flaky" if roll < 0.012 else "ok"
+                if batch * per_batch + n in killers:
+                    fate = "killer"
                 self.fates[(f"key-{key}", seq)] = fate
                 await stream.publish(f"key-{key}", {"seq": seq, "fate": fate})
             self.report.published += per_batch
+            self.replace_crashed()
             if batch == batches // 3:
                 self.spawn()  # a consumer joins mid-run
                 self.report.faults["joined"] += 1
@@ -222,6 +242,18 @@ class Chaos:
             if time.monotonic() > deadline:
                 break
         await client.aclose()
+
+    def replace_crashed(self, *, respawn: bool = True) -> None:
+        """Start a consumer in place of each one that a killer message ended."""
+        for process in [p for p in self.processes if p.poll() is not None]:
+            self.processes.remove(process)
+            self.gone.append(process)
+            if process.returncode == 3:
+                self.report.faults["killed by a message"] += 1
+            else:
+                self.report.problems.append(f"consumer {process.pid} exited {process.returncode}")
+            if respawn:
+                self.spawn()
 
     async def fault(self) -> None:
         victim = self.rng.randrange(len(self.processes))
@@ -262,10 +294,12 @@ class Chaos:
             completed = {(key, seq) for what, key, seq, _ in self.history() if what == "C"}
             if len(completed | self.dead()) >= expected:
                 return
+            self.replace_crashed()
             time.sleep(0.2)
         self.report.problems.append("not every message was handled or dead-lettered in time")
 
     def stop_all(self) -> None:
+        self.replace_crashed(respawn=False)  # killed by a message since the last look
         for process in self.processes:
             process.send_signal(signal.SIGTERM)
         for process in self.processes:
@@ -305,9 +339,11 @@ class Chaos:
         report.completed = sum(map(len, completed.values()))
         report.duplicates = completions - report.completed
         report.dead_lettered = len(dead)
-        poison = {message for message, fate in self.fates.items() if fate == "poison"}
+        poison = {message for message, fate in self.fates.items() if fate in ("poison", "killer")}
         if dead != poison:
-            report.problems.append(f"dead letters {sorted(dead ^ poison)[:5]} differ from poison")
+            report.problems.append(
+                f"dead letters {sorted(dead ^ poison)[:5]} differ from poison and killers"
+            )
         lost = [
             message
             for message in self.fates
@@ -330,6 +366,8 @@ def main() -> int:
     parser.add_argument("--lease", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=600)
+    parser.add_argument("--killers", type=int, default=0, help="messages that kill a consumer")
+    parser.add_argument("--max-deliveries", type=int, default=4)
     options = parser.parse_args()
     from .redis_server import RedisServer, redis_server_binary
 
@@ -343,6 +381,8 @@ def main() -> int:
             partitions=options.partitions,
             lease=options.lease,
             seed=options.seed,
+            killers=options.killers,
+            max_deliveries=options.max_deliveries,
             url=server.url,
         ).run(options.seconds)
     finally:
@@ -353,7 +393,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["consume"]:
-        url, partitions, lease, seed = sys.argv[2:6]
-        asyncio.run(consume(url, int(partitions), float(lease), int(seed)))
+        url, partitions, lease, seed, max_deliveries = sys.argv[2:7]
+        asyncio.run(consume(url, int(partitions), float(lease), int(seed), int(max_deliveries)))
     else:
         sys.exit(main())
