@@ -179,7 +179,8 @@ def _serialize(
         # this closure: attribute lookups on a wrapt proxy cost about 100 ns each.
         if position >= 0:
             # The key passed by position, read here rather than by ``extract``: a call
-            # frame less is 4% of a decorated call. ``extract`` reads it otherwise.
+            # frame less is about 5% of a decorated call (function ÷ run 1.52 -> 1.44 on
+            # 3.12). ``extract`` reads a key passed by name or defaulted.
             def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
                 if len(args) > position:
                     call_key = args[position]
