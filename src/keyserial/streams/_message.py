@@ -42,7 +42,8 @@ class DeadLetter:
     """A message that failed ``max_attempts`` times, with the error of its last attempt, or
     that was handed out more than ``max_deliveries`` times, with that as its error.
 
-    ``deliveries`` is how often Redis had handed the message out when it was dead-lettered.
+    ``deliveries`` is the message's count when it was dead-lettered, counted as for
+    ``StreamMessage.deliveries``.
     """
 
     key: Hashable

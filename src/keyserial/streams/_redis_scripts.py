@@ -78,8 +78,8 @@ return {'ok', reply[1], entries, deliveries}
 )
 
 # ARGV: fence, consumer, id, deliveries, id, deliveries, ... -> {'fenced'} | {'ok'}
-# Sets the delivery counts of messages the owner holds (a claim counted them, but they sat
-# behind an earlier message of their key and never started).
+# Sets the delivery counts of messages the owner holds: a claim counted them, but they
+# cannot have been running when their last owner stopped (see _redeliveries.py).
 SET_DELIVERIES = (
     _OWNER
     + """
