@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any
 
 from .._queue import KeyedSerialQueue
@@ -158,6 +158,7 @@ class PartitionWorker:
         self.tasks: set[asyncio.Task[None]] = set()
         self.failure: BaseException | None = None
         self._turn = _named_after(handler, self._handle)
+        self._turn_alone = _named_after(handler, self._handle_alone)
         self._wake = asyncio.Event()
         self._closing = False  # the worker is cancelling its handlers
         self._closed = asyncio.get_running_loop().create_future()  # set when it starts to
@@ -194,7 +195,7 @@ class PartitionWorker:
                 self.in_flight.release(room)
                 raise
             self.in_flight.release(room - len(entries))  # the rest stays reserved for them
-            self._dispatch(entries)
+            self._dispatch(entries, alone=self.redeliveries.suspects)
             if start == "0-0":
                 return
 
@@ -246,11 +247,13 @@ class PartitionWorker:
         if work.done() and not work.cancelled() and work.exception() is not None:
             raise work.exception()  # type: ignore[misc]
 
-    def _dispatch(self, entries: Any) -> None:
-        """Start a task per entry (each holds one reserved place until it finishes)."""
+    def _dispatch(self, entries: Any, alone: Container[str] = ()) -> None:
+        """Start a task per entry (each holds one reserved place until it finishes); those
+        whose id is in ``alone`` run one at a time (suspects, see ``Redeliveries``)."""
         self.in_flight.messages += len(entries)
         for entry in entries:
-            task = self.queue.submit(entry.key, self._turn, entry)
+            turn = self._turn_alone if entry.id in alone else self._turn
+            task = self.queue.submit(entry.key, turn, entry)
             self.tasks.add(task)
             task.add_done_callback(self._finished)
 
@@ -261,18 +264,15 @@ class PartitionWorker:
         if not task.cancelled() and task.exception() is not None:
             self._fail(task.exception())  # type: ignore[arg-type]
 
-    async def _handle(self, entry: Entry) -> None:
-        """Run ``entry`` in its key's turn; a suspect alone, until its ack (see Redeliveries)."""
-        if entry.id not in self.redeliveries.suspects:
-            await self._handle_entry(entry)
-            return
+    async def _handle_alone(self, entry: Entry) -> None:
+        """``_handle`` for a suspect: alone, until its ack (see ``Redeliveries``)."""
         # Suspects were dispatched in stream order, and each is the head of its key, so
         # they queue here, for a lock that wakes its waiters in order, in stream order.
         async with self._solo:
-            await self._handle_entry(entry)
+            await self._handle(entry)
 
-    async def _handle_entry(self, entry: Entry) -> None:
-        """Run ``entry``: retried, then acknowledged or dead-lettered.
+    async def _handle(self, entry: Entry) -> None:
+        """Run ``entry`` in its key's turn: retried, then acknowledged or dead-lettered.
 
         If the ack or the dead letter fails, the key's turn is *not* given up: the next
         message of the key must not start while this one may still run again (it is
