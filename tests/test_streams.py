@@ -16,7 +16,6 @@ from keyserial.redis._transport import text
 from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage, acl_rules
 
 from .redis_helpers import Clients, one_node_cluster, until
-from .redis_server import RedisServer
 
 pytestmark = pytest.mark.asyncio
 
@@ -24,19 +23,6 @@ LEASE = 1.0
 
 #: Makes a KeyedStream named "s" (one per simulated consumer), each on a client of its own.
 Streams = Callable[..., KeyedStream]
-
-
-@pytest_asyncio.fixture
-async def clients_at_url() -> AsyncIterator[Callable[[str], redis.Redis]]:
-    made: list[redis.Redis] = []
-
-    def make(url: str) -> redis.Redis:
-        made.append(redis.Redis.from_url(url))
-        return made[-1]
-
-    yield make
-    for client in made:
-        await client.aclose()
 
 
 @pytest_asyncio.fixture
@@ -616,18 +602,14 @@ async def test_stop_ends_even_when_a_handler_turns_its_cancellation_into_an_erro
 
 
 async def test_a_user_restricted_to_the_documented_acl_publishes_and_consumes(
-    clients: Clients,
-    clients_at_url: Callable[[str], redis.Redis],
-    redis_server: RedisServer,
-    running: Running,
+    clients: Clients, running: Running
 ) -> None:
-    clients_at = clients_at_url
     admin = clients()
     await admin.acl_setuser("worker", enabled=True, passwords=["+secret"], reset=True)
     rules = acl_rules("restricted").split()
     await admin.execute_command("ACL", "SETUSER", "worker", *rules)  # type: ignore[no-untyped-call]
-    url = redis_server.url.replace("redis://", "redis://worker:secret@")
-    stream = KeyedStream(clients_at(url), "restricted", 2, lease=LEASE)
+    worker = {"username": "worker", "password": "secret"}
+    stream = KeyedStream(clients(**worker), "restricted", 2, lease=LEASE)
     handled: list[str] = []
 
     @stream.consumer(max_attempts=1)
@@ -644,7 +626,7 @@ async def test_a_user_restricted_to_the_documented_acl_publishes_and_consumes(
         await until(lambda: stream.stats().dead_lettered == 1, "dead-lettered")
         assert [letter.fields["n"] for letter in await stream.dead_letters()] == ["bad"]
         # Another stream's keys are out of this user's reach.
-        other = KeyedStream(clients_at(url), "other", 2, lease=LEASE)
+        other = KeyedStream(clients(**worker), "other", 2, lease=LEASE)
         with pytest.raises(redis.ResponseError, match=r"NOPERM|no permissions"):
             await other.publish("k", {"n": "1"})
     finally:
