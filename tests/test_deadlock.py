@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -148,4 +149,69 @@ async def test_detection_can_be_switched_off() -> None:
     with pytest.raises(asyncio.TimeoutError):  # not the built-in one before Python 3.11
         await asyncio.wait_for(queue.run("k", parent), timeout=0.05)
     await settle()
+    assert len(queue) == 0
+
+
+def _wait_for_k2(queue: KeyedSerialQueue, how: str) -> Callable[[], Awaitable[None]]:
+    """A way of waiting for key "k2", with or without a timeout."""
+
+    async def nothing() -> None:
+        return None
+
+    async def wait() -> None:
+        if how == "run":
+            await queue.run("k2", nothing)
+        elif how == "call with timeout":
+            await queue.call("k2", nothing, (), {}, timeout=30)
+        elif how == "lock":
+            async with queue.lock("k2"):
+                pass
+        elif how == "lock with timeout":
+            async with queue.lock("k2", timeout=30):
+                pass
+        else:
+            await queue.submit("k2", nothing)
+
+    return wait
+
+
+@pytest.mark.parametrize("how", ["run", "call with timeout", "lock", "lock with timeout", "submit"])
+async def test_a_cycle_through_any_kind_of_wait_is_found(how: str) -> None:
+    # The cycle passes through a wait of each kind: an exact future whose frame says what it
+    # waits for (run, lock), a waiter with a timer (call and lock with a timeout), a waiter
+    # registered before its task started (submit). A wait with a timeout was once missed:
+    # the second task hung until the first one's timeout.
+    queue = KeyedSerialQueue()
+    second_holds, first_waits = asyncio.Event(), asyncio.Event()
+    wait_for_k2 = _wait_for_k2(queue, how)
+
+    async def nothing() -> None:
+        return None
+
+    async def first() -> None:
+        async def body() -> None:
+            await second_holds.wait()
+            first_waits.set()
+            await wait_for_k2()
+
+        await queue.run("k1", body)
+
+    async def second() -> None:
+        async def body() -> None:
+            second_holds.set()
+            await first_waits.wait()
+            await settle()  # the first task now waits for k2, which this task holds
+            await queue.run("k1", nothing)
+
+        await queue.run("k2", body)
+
+    one = asyncio.create_task(first(), name="first")
+    two = asyncio.create_task(second(), name="second")
+    with pytest.raises(DeadlockError) as caught:
+        await asyncio.wait_for(two, timeout=5)
+    assert [str(key) for key in caught.value.keys] == ["k1", "k2"]
+    names = {t.get_name() for t in caught.value.tasks}  # type: ignore[attr-defined]
+    # With submit, the first task awaits the submitted task, which waits for k2.
+    assert {"first", "second"} <= names and len(names) == (3 if how == "submit" else 2)
+    await asyncio.wait_for(one, timeout=5)  # it got k2 once the second task gave it up
     assert len(queue) == 0

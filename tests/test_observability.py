@@ -99,6 +99,50 @@ async def test_stats_longest_wait_is_the_oldest_waiter() -> None:
     await asyncio.gather(*holders, early, late)
 
 
+async def _wait_by(queue: KeyedSerialQueue, how: str, key: str) -> None:
+    async def nothing() -> None:
+        return None
+
+    if how == "run":
+        await queue.run(key, nothing)
+    elif how == "call with timeout":
+        await queue.call(key, nothing, (), {}, timeout=60)
+    elif how == "lock":
+        async with queue.lock(key):
+            pass
+    elif how == "lock with timeout":
+        async with queue.lock(key, timeout=60):
+            pass
+    elif how == "run_all":
+        await queue.run_all([key, "other"], nothing)
+    else:
+        await queue.submit(key, nothing)
+
+
+@pytest.mark.fake_clock
+@pytest.mark.parametrize(
+    "how", ["run", "call with timeout", "lock", "lock with timeout", "run_all", "submit"]
+)
+async def test_stats_longest_wait_reads_every_kind_of_wait(how: str) -> None:
+    # A run or lock without a timeout waits on a plain future: its registration time is
+    # read off the waiting frame. The others carry it.
+    queue = KeyedSerialQueue()
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        await gate.wait()
+
+    holders = [asyncio.create_task(queue.run(k, hold)) for k in ("early", "late")]
+    await settle()
+    early = asyncio.create_task(_wait_by(queue, how, "early"))
+    await asyncio.sleep(2)  # on the fake clock
+    late = asyncio.create_task(queue.run("late", hold))
+    await settle()
+    assert queue.stats().longest_wait == ("early", 2)
+    gate.set()
+    await asyncio.gather(*holders, early, late)
+
+
 class Recording(QueueObserver):
     def __init__(self) -> None:
         self.events: list[tuple[object, ...]] = []

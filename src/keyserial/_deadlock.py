@@ -3,7 +3,8 @@
 A task about to wait for some keys closes a cycle if the holders of those keys, in the end,
 wait for it. "Wait for" has two kinds of edges:
 
-* a task waiting for a key waits for the key's holder (the queue's own records);
+* a task waiting for a key waits for the key's holder (the queue's records, and for a
+  wait on a plain future the frame that awaits it: ``keyserial._waiting``);
 * a task blocked in ``await`` waits for what it awaits — a task, or through ``gather``,
   ``TaskGroup``, ``wait``, ``shield`` or ``wait_for`` the tasks behind them
   (``keyserial._awaits`` reads those off asyncio's objects).
@@ -46,7 +47,8 @@ from ._awaits import (
 )
 from ._errors import DeadlockError
 from ._reach import LATER, register_holding_code, unreachable
-from ._records import KeyHolders, MultiWaiter, Waiter
+from ._records import KeyHolders, MultiWaiter, TimedWaiter, Waiter
+from ._waiting import turn_wait_of_task
 
 Task = asyncio.Task[Any]
 
@@ -135,17 +137,18 @@ class _Search:
     def _edges(self, node: Any) -> list[tuple[Any, Label]]:
         if asyncio.isfuture(node) and node.done():
             return []
-        if type(node) is Waiter:
-            return _key_edges(node, (node.key,))
+        if type(node) is Waiter or type(node) is TimedWaiter:
+            return _key_edges(node.share, (node.key,))
         if type(node) is MultiWaiter:
-            return _key_edges(node, node.keys)
+            return _key_edges(node.share, node.keys)
         wait: Wait | None
         if is_task(node):
-            awaited = getattr(node, "_fut_waiter", None)
-            if type(awaited) is Waiter or type(awaited) is MultiWaiter:
-                return [(awaited, ("", None))]
             if _is_known_dead_end(node):
                 return []
+            turn = turn_wait_of_task(node)
+            if turn is not None:
+                return _key_edges(turn.share, turn.keys)
+            awaited = getattr(node, "_fut_waiter", None)
             wait = waits_of_task(node)
             if wait is None and awaited is not None:
                 _remember_dead_end(node, awaited)
@@ -178,11 +181,11 @@ class _Search:
         return [(pending[0], label)]
 
 
-def _key_edges(waiter: Waiter, keys: Sequence[Hashable]) -> list[tuple[Any, Label]]:
-    """A key's waiter waits for the key's holder."""
+def _key_edges(share: KeyHolders, keys: Sequence[Hashable]) -> list[tuple[Any, Label]]:
+    """A call waiting for keys waits for their holders."""
     edges: list[tuple[Any, Label]] = []
     for key in keys:
-        holder = waiter.share.holding_task(key)
+        holder = share.holding_task(key)
         if holder is not None:
             edges.append((holder, ("key", key)))
     return edges

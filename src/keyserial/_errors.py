@@ -1,4 +1,4 @@
-"""Exceptions raised by keyserial queues."""
+"""Exceptions raised by keyserial queues, and the helpers that word the common ones."""
 
 from __future__ import annotations
 
@@ -116,3 +116,25 @@ class LeaseLost(RuntimeError):
 
 class BrokenKeyError(TypeError):
     """A registered key whose hash or equality failed; the calls waiting for it are refused."""
+
+
+def closed_error(key: Hashable) -> QueueClosed:
+    return QueueClosed(f"queue is closed; cannot register key {safe_repr(key)}")
+
+
+def safe_repr(key: object) -> str:
+    """``repr(key)``, or a description of it when its ``__repr__`` fails too."""
+    try:
+        return repr(key)
+    except Exception:
+        return f"<{type(key).__name__} object>"
+
+
+def key_error(key: object, error: Exception) -> TypeError:
+    """The error for a key that cannot be hashed or compared, for every method that takes one."""
+    if isinstance(error, TypeError) and "unhashable" in str(error):
+        name = type(key).__name__
+        return TypeError(f"keyserial keys must be hashable, got {name}: {safe_repr(key)}")
+    return TypeError(
+        f"keyserial keys must be hashable and comparable; {safe_repr(key)} raised {error!r}"
+    )

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Hashable
 
+from ._errors import key_error
 from ._loops import LoopShares, running_loop
-from ._share import key_error
 from ._stats import QueueStats, snapshot
 
 

@@ -9,10 +9,11 @@ from contextvars import Token
 from types import TracebackType
 from typing import Any
 
+from ._errors import closed_error, key_error
 from ._fence import enter_lock_block, exit_lock_block
 from ._loops import LoopShares
 from ._reach import block_entered, block_left, register_holding_code
-from ._share import LoopShare, closed_error, key_error
+from ._share import LoopShare
 
 Task = asyncio.Task[Any]
 

@@ -17,14 +17,14 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from ._deadlock import check_later, check_no_cycle, register_entry_code
-from ._errors import QueueClosed, QueueFull
+from ._errors import QueueClosed, QueueFull, key_error, safe_repr
 from ._fence import enter_lock_block, exit_lock_block, register_turn_code
 from ._inspection import QueueShares
 from ._loops import LoopShares
 from ._protocols import KeyLock
 from ._reach import block_entered, block_left, register_holding_code
 from ._records import KeyState, MultiRegistration, MultiTurn, expire, new_multi_waiter
-from ._share import LoopShare, key_error, safe_repr
+from ._share import LoopShare
 
 Task = asyncio.Task[Any]
 T = TypeVar("T")

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import asyncio
 from _thread import get_ident
+from asyncio import Future
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ._deadlock import register_entry_code
+from ._errors import closed_error, key_error
 from ._fence import register_turn_code
 from ._locks import TurnLock
 from ._loops import get_running_loop, no_event_loop, outside_task, running_loop, task_of
 from ._multikey import MultiKeyCalls, check_timeout
 from ._protocols import KeyLock
-from ._share import closed_error, key_error
+from ._records import KeyState
 from ._submit import Submission, submit
+from ._waiting import register_waiting_code
 
 if TYPE_CHECKING:
     from ._observer import QueueObserver
@@ -100,7 +103,7 @@ class KeyedSerialQueue(MultiKeyCalls):
         if cls is KeyedSerialQueue and (observer is not None or slow_turn is not None):
             # Only an observed queue runs the code that times calls: a plain queue's
             # uncontended path stays as fast as it is without observers.
-            cls = _observed_queue_class()
+            cls = _OBSERVED_QUEUE[0]  # registered when keyserial/__init__.py imports it
         return object.__new__(cls)
 
     def __init__(
@@ -181,12 +184,18 @@ class KeyedSerialQueue(MultiKeyCalls):
             waiter = share.register(key, holder, task, timeout, self._max_pending)
             if waiter is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
+            # Read off this frame while it waits (keyserial._waiting).
+            since = share.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
             try:
-                await waiter
+                granted = await waiter
             except BaseException:
                 share.give_up(key, waiter)
                 raise
-            share.take_turn(key, waiter, task)
+            if granted is True and type(waiter) is Future:  # take_turn, without its frame
+                state: KeyState = holders[key]  # type: ignore[assignment]
+                state.holder, state.since = task, share.clock()
+            else:
+                share.take_turn(key, waiter, task)
         try:
             if kwargs:
                 return await fn(*args, **kwargs)
@@ -267,12 +276,18 @@ class KeyedSerialQueue(MultiKeyCalls):
             waiter = share.register(key, holder, task, timeout, self._max_pending, group)
             if waiter is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
+            # Read off this frame while it waits (keyserial._waiting).
+            since = share.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
             try:
-                await waiter
+                granted = await waiter
             except BaseException:
                 share.give_up(key, waiter)
                 raise
-            share.take_turn(key, waiter, task)
+            if granted is True and type(waiter) is Future:  # take_turn, without its frame
+                state: KeyState = holders[key]  # type: ignore[assignment]
+                state.holder, state.since = task, share.clock()
+            else:
+                share.take_turn(key, waiter, task)
         try:
             if kwargs:
                 return await fn(*args, **kwargs)
@@ -369,23 +384,16 @@ def register_observed_queue(cls: type[KeyedSerialQueue]) -> None:
     _OBSERVED_QUEUE[:] = [cls]
 
 
-def _observed_queue_class() -> type[KeyedSerialQueue]:
-    # keyserial/__init__.py imports the observing module, which registers its queue.
-    return _OBSERVED_QUEUE[0]
-
-
 def _single_key_fence(frame: Mapping[str, Any]) -> int | None:
     return frame["share"].fence_for((frame["key"],))  # type: ignore[no-any-return]
 
 
 # Frames of these methods run a turn: current_fence() finds them on the task's await chain,
-# and the deadlock check names a task running one after the function it runs.
-register_turn_code(KeyedSerialQueue.run.__code__, _single_key_fence)
-register_turn_code(KeyedSerialQueue.call.__code__, _single_key_fence)
-register_turn_code(Submission.execute.__code__, _single_key_fence)
-for _code in (
-    KeyedSerialQueue.run.__code__,
-    KeyedSerialQueue.call.__code__,
-    Submission.execute.__code__,
-):
+# and the deadlock check names a task running one after the function it runs. A run or a
+# call waiting for its turn says in its frame what it waits for (see _waiting).
+for _code in (KeyedSerialQueue.run.__code__, KeyedSerialQueue.call.__code__):
+    register_turn_code(_code, _single_key_fence)
     register_entry_code(_code)
+    register_waiting_code(_code, share_local="share")
+register_turn_code(Submission.execute.__code__, _single_key_fence)
+register_entry_code(Submission.execute.__code__)

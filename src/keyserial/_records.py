@@ -2,8 +2,10 @@
 
 A key used by one call at a time is a single dict entry, the holding task. The first time
 a call has to wait for the key, the entry becomes a ``KeyState`` holding the waiters in
-registration order. A waiter is a ``Waiter`` future (one key) or a ``MultiTurn`` (several
-keys, registered on all of them in one step).
+registration order. A waiter is a future (one key) or a ``MultiTurn`` (several keys,
+registered on all of them in one step). The future is an exact ``asyncio.Future`` for a
+call without a timeout, whose frame says what it waits for (``keyserial._waiting``), and
+a ``Waiter`` otherwise.
 """
 
 from __future__ import annotations
@@ -28,13 +30,18 @@ class KeyHolders(Protocol):
     def holding_task(self, key: Hashable) -> Task | None: ...
 
 
-class Waiter(asyncio.Future[Any]):
-    """What a waiting call awaits.
+#: What a waiting call awaits: an exact ``asyncio.Future`` or a ``Waiter``. Its result is
+#: True once granted, False on timeout, None if superseded, or the error the wait was
+#: refused with after registering (a ``DeadlockError`` found once an eager step ended, a
+#: key that broke).
+Wait = asyncio.Future[Any]
 
-    Its result is True once granted, False on timeout, None if superseded, or the error
-    the wait was refused with after registering (a ``DeadlockError`` found once an eager
-    step ended, a key that broke). It also says what it waits for: the deadlock check
-    follows a blocked task's ``_fut_waiter`` to it, so waiting costs no extra bookkeeping.
+
+class Waiter(asyncio.Future[Any]):
+    """A wait that says itself what it waits for: one with a timeout, or registered by
+    ``submit`` before its task exists (no frame awaits it yet to say so).
+
+    The deadlock check follows a blocked task's ``_fut_waiter`` to it.
     """
 
     __slots__ = ("key", "share", "since")
@@ -127,14 +134,14 @@ class KeyState:
         # Running plus waiting calls, counting dead waiters that have not resumed yet.
         self.pending = 1
         # Waiters in registration order; a done future marks a dead one, skipped on hand-off.
-        self.waiters: deque[Waiter | MultiTurn] = deque()
+        self.waiters: deque[Wait | MultiTurn] = deque()
         # The waiting call of each coalescing group, which the group's next call supersedes.
-        self.latest: dict[Hashable, Waiter] | None = None
+        self.latest: dict[Hashable, Wait] | None = None
         # When the current turn started; for a turn that began uncontended, when the first
         # call queued behind it (the turn is at least that old).
         self.since = now
 
 
-def is_dead(waiter: Waiter | MultiTurn) -> bool:
+def is_dead(waiter: Wait | MultiTurn) -> bool:
     """Whether a queued waiter has stopped waiting (cancelled, timed out, superseded)."""
     return (waiter.future if type(waiter) is MultiTurn else waiter).done()  # type: ignore[union-attr]

@@ -13,6 +13,7 @@ it to the next live waiter). Everything else a call does to a key goes through t
 from __future__ import annotations
 
 import asyncio
+from asyncio import Future
 from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from ._awaits import EAGER_NEEDS_FACTORY, EAGER_TASKS, is_running, is_task
 from ._clock import loop_clock
 from ._deadlock import check_later, check_no_cycle
-from ._errors import BrokenKeyError, QueueClosed, QueueFull, Superseded
+from ._errors import BrokenKeyError, QueueFull, Superseded, closed_error, safe_repr
 from ._fence import FenceBook
 from ._records import (
     GRANTED,
@@ -28,11 +29,12 @@ from ._records import (
     KeyState,
     MultiTurn,
     TimedWaiter,
-    Waiter,
+    Wait,
     is_dead,
     new_waiter,
 )
 from ._stats import Counts
+from ._waiting import register_waiting_code
 
 Task = asyncio.Task[Any]
 
@@ -41,29 +43,7 @@ Task = asyncio.Task[Any]
 COMPACT_SLACK = 32
 
 
-def closed_error(key: Hashable) -> QueueClosed:
-    return QueueClosed(f"queue is closed; cannot register key {safe_repr(key)}")
-
-
-def safe_repr(key: object) -> str:
-    """``repr(key)``, or a description of it when its ``__repr__`` fails too."""
-    try:
-        return repr(key)
-    except Exception:
-        return f"<{type(key).__name__} object>"
-
-
-def key_error(key: object, error: Exception) -> TypeError:
-    """The error for a key that cannot be hashed or compared, for every method that takes one."""
-    if isinstance(error, TypeError) and "unhashable" in str(error):
-        name = type(key).__name__
-        return TypeError(f"keyserial keys must be hashable, got {name}: {safe_repr(key)}")
-    return TypeError(
-        f"keyserial keys must be hashable and comparable; {safe_repr(key)} raised {error!r}"
-    )
-
-
-def _refused_for_broken_key(waiter: Waiter) -> bool:
+def _refused_for_broken_key(waiter: Wait) -> bool:
     return waiter.done() and not waiter.cancelled() and type(waiter.result()) is BrokenKeyError
 
 
@@ -192,11 +172,14 @@ class LoopShare:
         timeout: float | None,
         max_pending: int | None,
         group: Hashable | None = None,
-    ) -> Waiter | None:
+    ) -> Wait | None:
         """Register ``owner`` on the busy ``key``; ``None`` if ``owner`` holds it (re-entry).
 
-        A call with a ``group`` supersedes the waiting call of the same key and group.
-        Raises QueueClosed, QueueFull, or DeadlockError if waiting would close a cycle.
+        The wait of a task without a timeout is an exact future: the frame that awaits it
+        must be registered with `register_waiting_code` and set ``since`` (the clock now)
+        before awaiting it. A call with a ``group`` supersedes the waiting call of the same
+        key and group. Raises QueueClosed, QueueFull, or DeadlockError if waiting would
+        close a cycle.
         """
         holder = held.holder if type(held) is KeyState else held
         if holder is owner:
@@ -229,14 +212,20 @@ class LoopShare:
             ):
                 recheck = check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
         loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
-        state = self.contended(key, held)
+        if type(held) is KeyState:  # self.contended(key, held), without its frame
+            state = held
+        else:
+            state = self.holders[key] = KeyState(held, self.clock())
         state.pending += 1
+        waiter: Wait
+        if timeout is None and owner is not NEW_TASK:
+            waiter = Future(loop=loop)  # its frame says what it waits for: see _waiting
+        else:
+            waiter = new_waiter(loop, self, key, timeout, self.clock())
         if state.holder is None:
             state.holder = GRANTED
-            waiter = new_waiter(loop, self, key, None, self.clock())
             waiter.set_result(True)
             return waiter
-        waiter = new_waiter(loop, self, key, timeout, self.clock())
         state.waiters.append(waiter)
         if group is not None:
             if replaced is not None:
@@ -252,8 +241,10 @@ class LoopShare:
 
     # -- ending a wait ------------------------------------------------------------------------
 
-    async def await_turn(self, key: Hashable, waiter: Waiter, task: Task) -> None:
+    async def await_turn(self, key: Hashable, waiter: Wait, task: Task) -> None:
         """Wait for the turn ``waiter`` stands for, then take it (or raise why not)."""
+        # Read off this frame while it waits (keyserial._waiting).
+        since = self.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
         try:
             await waiter
         except BaseException:
@@ -261,7 +252,7 @@ class LoopShare:
             raise
         self.take_turn(key, waiter, task)
 
-    def take_turn(self, key: Hashable, waiter: Waiter, task: Task) -> None:
+    def take_turn(self, key: Hashable, waiter: Wait, task: Task) -> None:
         """The wait ended: take the turn, or raise TimeoutError if the timer ended it."""
         if type(waiter) is TimedWaiter:
             waiter.timer.cancel()
@@ -279,7 +270,7 @@ class LoopShare:
         state.holder = task
         state.since = self.clock()
 
-    def give_up(self, key: Hashable, waiter: Waiter) -> None:
+    def give_up(self, key: Hashable, waiter: Wait) -> None:
         """The wait for the turn was interrupted (cancelled, or another BaseException)."""
         self.counts.cancelled += 1
         if type(waiter) is TimedWaiter:
@@ -288,7 +279,7 @@ class LoopShare:
             return  # the key's entry is gone already
         self.abandon(key, self.holders[key], waiter)  # type: ignore[arg-type]
 
-    def abandon(self, key: Hashable, state: KeyState, waiter: Waiter | None) -> None:
+    def abandon(self, key: Hashable, state: KeyState, waiter: Wait | None) -> None:
         """A registered call gives up before running; ``waiter=None`` means it had the turn."""
         if self.loop.is_closed():  # type: ignore[union-attr]
             return  # a coroutine finalized after its loop closed: that share is gone
@@ -314,10 +305,14 @@ class LoopShare:
     # -- ending a turn ------------------------------------------------------------------------
 
     def release(self, key: Hashable, state: KeyState) -> None:
-        """End the current turn of a contended key: hand it to the next live waiter, if any."""
+        """End the current turn of a contended key: hand it to the next live waiter, if any.
+
+        The key's entry may have been popped (a ``run`` turn's end pops it): it is put back.
+        """
         if self.loop.is_closed():  # type: ignore[union-attr]
             return  # a coroutine finalized after its loop closed: that share is gone
-        if self.fences:
+        self.holders[key] = state
+        if self.fences.by_key:  # not bool(self.fences): a __bool__ call costs a frame
             self.drop_fence(key)
         state.pending -= 1
         waiters = state.waiters
@@ -357,7 +352,10 @@ class LoopShare:
         """End a ``run``/``call`` turn whose entry ``held`` was popped: count it, hand it on."""
         if self.counts.counting:
             self.counts.ended += 1
-        self.after_turn(key, held, task)
+        if held is task:
+            self.after_turn(key, held, task)
+        else:  # every contended turn ends here: hand it on without after_turn's frame
+            self.release(key, held)  # type: ignore[arg-type]
 
     def after_turn(self, key: Hashable, held: Task | KeyState, task: Task) -> None:
         """Finish a turn whose entry ``held`` was popped: hand it on, or wake ``join``."""
@@ -367,7 +365,6 @@ class LoopShare:
             if not self.holders and self.idle_waiters:
                 self.wake_idle()
         else:
-            self.holders[key] = held
             self.release(key, held)  # type: ignore[arg-type]
 
     def remove_broken(self, key: Hashable, error: BaseException) -> BrokenKeyError:
@@ -393,3 +390,7 @@ class LoopShare:
         if not self.holders and self.idle_waiters:
             self.wake_idle()
         return broken
+
+
+# The frame that awaits a lock block's turn says what it waits for (see _waiting).
+register_waiting_code(LoopShare.await_turn.__code__, share_local="self")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ._awaits import is_task
 from ._records import KeyState, MultiTurn
+from ._waiting import waited_since
 
 
 class Counts:
@@ -112,8 +113,11 @@ def snapshot(holders: Mapping[Hashable, object], counts: Counts, now: float) -> 
                 continue
             waiters.add(id(waiter))
             if first:  # FIFO: the first live waiter of a key has waited longest
+                since = waiter.since if type(waiter) is MultiTurn else waited_since(waiter)  # type: ignore[arg-type]
+                if since is None:
+                    continue  # its frame cannot be read (an unusual awaitable): the next one
                 first = False
-                waited = now - waiter.since
+                waited = now - since
                 if longest_wait is None or waited > longest_wait[1]:
                     longest_wait = (key, waited)
     running = len(running_tasks)

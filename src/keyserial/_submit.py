@@ -8,9 +8,9 @@ from types import CoroutineType
 from typing import Any, TypeVar, cast
 
 from ._deadlock import check_later, check_no_cycle
-from ._errors import DeadlockError
-from ._records import GRANTED, NEW_TASK, KeyState, Waiter, new_waiter
-from ._share import LoopShare, closed_error, key_error
+from ._errors import DeadlockError, closed_error, key_error
+from ._records import GRANTED, NEW_TASK, KeyState, Wait, new_waiter
+from ._share import LoopShare
 
 T = TypeVar("T")
 Task = asyncio.Task[Any]
@@ -21,7 +21,7 @@ class Submission:
 
     __slots__ = ("key", "share", "started", "waiter")
 
-    def __init__(self, share: LoopShare, key: Hashable, waiter: Waiter) -> None:
+    def __init__(self, share: LoopShare, key: Hashable, waiter: Wait) -> None:
         self.share = share
         self.key = key
         self.waiter = waiter
@@ -83,7 +83,7 @@ def submit(
     if holder is None:
         # The task may start eagerly inside create_task, so the turn is reserved first.
         share.holders[key] = KeyState(GRANTED, share.clock())
-        waiter: Waiter | None = new_waiter(loop, share, key, None, share.clock())
+        waiter: Wait | None = new_waiter(loop, share, key, None, share.clock())
         waiter.set_result(True)  # type: ignore[union-attr]
     else:
         waiter = share.register(key, holder, NEW_TASK, None, max_pending)
