@@ -47,8 +47,8 @@ from ._awaits import (
 )
 from ._errors import DeadlockError
 from ._reach import LATER, register_holding_code, unreachable
-from ._records import KeyHolders, MultiWaiter, TimedWaiter, Waiter
-from ._waiting import turn_wait_of_task
+from ._records import KeyHolders
+from ._waiting import TurnWait, turn_wait_of_task
 
 Task = asyncio.Task[Any]
 
@@ -137,17 +137,16 @@ class _Search:
     def _edges(self, node: Any) -> list[tuple[Any, Label]]:
         if asyncio.isfuture(node) and node.done():
             return []
-        if type(node) is Waiter or type(node) is TimedWaiter:
-            return _key_edges(node.share, (node.key,))
-        if type(node) is MultiWaiter:
+        if type(node) is TurnWait:
             return _key_edges(node.share, node.keys)
         wait: Wait | None
         if is_task(node):
-            if _is_known_dead_end(node):
-                return []
             turn = turn_wait_of_task(node)
             if turn is not None:
-                return _key_edges(turn.share, turn.keys)
+                # A node of its own, as a waiter is: the walk's budget counts it.
+                return [(turn, ("", None))]
+            if _is_known_dead_end(node):
+                return []
             awaited = getattr(node, "_fut_waiter", None)
             wait = waits_of_task(node)
             if wait is None and awaited is not None:
@@ -226,7 +225,12 @@ def check_no_cycle(share: KeyHolders, task: Task, keys: Sequence[Hashable]) -> b
         for h in holders
     ):
         return False
-    found = find_cycle(share, task, keys, _FORWARD_BUDGET)
+    if any(h is not None and turn_wait_of_task(h) is not None for h in holders):
+        # A holder waiting for a turn spends the forward walk's budget on itself: the walk
+        # could only come back exhausted, so the backward question is asked at once.
+        found: DeadlockError | str | None = EXHAUSTED
+    else:
+        found = find_cycle(share, task, keys, _FORWARD_BUDGET)
     if found == EXHAUSTED:
         answer = unreachable(task, holders, running=True)
         if answer is True:

@@ -38,7 +38,7 @@ _kept_codes: list[CodeType] = []
 
 
 class TurnWait(NamedTuple):
-    """What a blocked call waits for."""
+    """What a blocked call waits for (a node of the deadlock check's walk, like a waiter)."""
 
     share: KeyHolders
     keys: tuple[Hashable, ...]
@@ -64,6 +64,10 @@ def turn_wait_of_task(task: asyncio.Task[Any]) -> TurnWait | None:
     awaited: Any = getattr(task, "_fut_waiter", None)
     if awaited is None:
         return None
+    global _last
+    last = _last
+    if last is not None and last[1]() is awaited and last[0]() is task:
+        return last[2]  # asked first: a burst of calls behind one holder asks this
     kind: object = awaited.__class__
     if kind is Waiter or kind is TimedWaiter:
         return TurnWait(awaited.share, (awaited.key,), awaited.since)
@@ -71,10 +75,6 @@ def turn_wait_of_task(task: asyncio.Task[Any]) -> TurnWait | None:
         return TurnWait(awaited.share, awaited.keys, awaited.since)
     if kind is not asyncio.Future:
         return None
-    global _last
-    last = _last
-    if last is not None and last[0]() is task and last[1]() is awaited:
-        return last[2]
     found = _read_frames(task, awaited)
     if found is not None:
         with contextlib.suppress(TypeError):  # a task type without weak references
