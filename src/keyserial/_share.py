@@ -212,10 +212,7 @@ class LoopShare:
             ):
                 recheck = check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
         loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
-        if type(held) is KeyState:  # self.contended(key, held), without its frame
-            state = held
-        else:
-            state = self.holders[key] = KeyState(held, self.clock())
+        state = self.contended(key, held)
         state.pending += 1
         waiter: Wait
         if timeout is None and owner is not NEW_TASK:
@@ -309,9 +306,9 @@ class LoopShare:
 
         The key's entry may have been popped (a ``run`` turn's end pops it): it is put back.
         """
+        self.holders[key] = state
         if self.loop.is_closed():  # type: ignore[union-attr]
             return  # a coroutine finalized after its loop closed: that share is gone
-        self.holders[key] = state
         if self.fences.by_key:  # not bool(self.fences): a __bool__ call costs a frame
             self.drop_fence(key)
         state.pending -= 1
