@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import sys
 import warnings
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
 from keyserial import KeyedSerialQueue, default_queue, serialized
+from keyserial._awaits import has_asyncio_accessors
 
 from .scheduling import settle
 
@@ -255,3 +258,39 @@ async def test_a_child_forked_inside_a_running_loop_runs_on_its_own_loop() -> No
             os._exit(code)
     _, status = await asyncio.to_thread(os.waitpid, pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_loop_with_its_own_accessors_is_asked_through_them() -> None:
+    """The hand-off reads asyncio's loop fields directly only where the methods are asyncio's."""
+    asked: list[str] = []
+
+    class AskedLoop(asyncio.SelectorEventLoop):
+        def is_closed(self) -> bool:
+            asked.append("is_closed")
+            return super().is_closed()
+
+        def get_task_factory(self) -> Any:
+            asked.append("get_task_factory")
+            return super().get_task_factory()
+
+    plain = asyncio.new_event_loop()
+    loop = AskedLoop()
+    try:
+        assert has_asyncio_accessors(plain) and not has_asyncio_accessors(loop)
+        assert not has_asyncio_accessors(None)
+        queue = KeyedSerialQueue()
+
+        async def step() -> None:
+            await asyncio.sleep(0)
+
+        async def main() -> None:
+            await asyncio.gather(*(queue.run("k", step) for _ in range(3)))
+
+        asked.clear()
+        loop.run_until_complete(main())
+        assert "is_closed" in asked  # each hand-off asked whether the loop had closed
+        if sys.version_info >= (3, 12):
+            assert "get_task_factory" in asked  # whether a holder may be mid-step
+    finally:
+        plain.close()
+        loop.close()

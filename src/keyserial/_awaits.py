@@ -78,6 +78,19 @@ def may_start_eagerly(loop: asyncio.AbstractEventLoop) -> bool:
     return EAGER_TASKS and (not EAGER_NEEDS_FACTORY or loop.get_task_factory() is not None)
 
 
+def has_asyncio_accessors(loop: asyncio.AbstractEventLoop | None) -> bool:
+    """Whether ``loop.is_closed()`` and ``loop.get_task_factory()`` are asyncio's own, which
+    return the fields ``_closed`` and ``_task_factory``: a hand-off asks both, and reading
+    the field spares the frame of a Python method each time (uvloop's are C methods).
+    """
+    base = asyncio.BaseEventLoop
+    return (
+        isinstance(loop, base)
+        and type(loop).is_closed is base.is_closed
+        and type(loop).get_task_factory is base.get_task_factory
+    )
+
+
 def is_running(task: asyncio.Task[Any]) -> bool:
     """Whether ``task`` is in the middle of a step (another task started eagerly inside it)."""
     return not task.done() and bool(getattr(task.get_coro(), "cr_running", False))

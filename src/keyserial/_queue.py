@@ -101,8 +101,7 @@ class KeyedSerialQueue(MultiKeyCalls):
         slow_turn: float | None = None,
     ) -> KeyedSerialQueue:
         if cls is KeyedSerialQueue and (observer is not None or slow_turn is not None):
-            # Only an observed queue runs the code that times calls: a plain queue's
-            # uncontended path stays as fast as it is without observers.
+            # Only an observed queue times calls: a plain queue's hot path stays untouched.
             cls = _OBSERVED_QUEUE[0]  # registered when keyserial/__init__.py imports it
         return object.__new__(cls)
 
@@ -184,7 +183,6 @@ class KeyedSerialQueue(MultiKeyCalls):
             waiter = share.register(key, holder, task, timeout, self._max_pending)
             if waiter is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
-            # Read off this frame while it waits (keyserial._waiting).
             since = share.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
             try:
                 granted = await waiter
@@ -208,8 +206,10 @@ class KeyedSerialQueue(MultiKeyCalls):
                 held = holders.pop(key)
             except Exception as exc:  # the key broke during the turn: never leave it stuck
                 raise share.remove_broken(key, exc) from exc
-            if held is not task or share.attention:
+            if share.attention:
                 share.end_turn(key, held, task)
+            elif held is not task:  # a contended turn: hand it on
+                share.release(key, held)  # type: ignore[arg-type]
 
     async def call(
         self,
@@ -276,7 +276,6 @@ class KeyedSerialQueue(MultiKeyCalls):
             waiter = share.register(key, holder, task, timeout, self._max_pending, group)
             if waiter is None:  # re-entry: run inside the turn this task holds
                 return await fn(*args, **kwargs)
-            # Read off this frame while it waits (keyserial._waiting).
             since = share.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
             try:
                 granted = await waiter
@@ -300,8 +299,10 @@ class KeyedSerialQueue(MultiKeyCalls):
                 held = holders.pop(key)
             except Exception as exc:  # the key broke during the turn: never leave it stuck
                 raise share.remove_broken(key, exc) from exc
-            if held is not task or share.attention:
+            if share.attention:
                 share.end_turn(key, held, task)
+            elif held is not task:  # a contended turn: hand it on
+                share.release(key, held)  # type: ignore[arg-type]
 
     def submit(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs

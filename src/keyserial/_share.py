@@ -13,12 +13,21 @@ it to the next live waiter). Everything else a call does to a key goes through t
 from __future__ import annotations
 
 import asyncio
+import functools
+import sys
 from asyncio import Future
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from ._awaits import EAGER_NEEDS_FACTORY, EAGER_TASKS, is_running, is_task
+from ._awaits import (
+    EAGER_NEEDS_FACTORY,
+    EAGER_TASKS,
+    has_asyncio_accessors,
+    is_running,
+    is_task,
+)
+from ._broken import refused_for_broken_key, remove_broken_key
 from ._clock import loop_clock
 from ._deadlock import check_later, check_no_cycle
 from ._errors import BrokenKeyError, QueueFull, Superseded, closed_error, safe_repr
@@ -38,33 +47,13 @@ from ._waiting import register_waiting_code
 
 Task = asyncio.Task[Any]
 
+#: From Python 3.12 a Future created without a loop finds the running one more cheaply
+#: than the loop can be passed by keyword; before, that lookup makes a getpid() call.
+_FUTURE_FINDS_LOOP_CHEAPLY = sys.version_info >= (3, 12)
+
 #: Dead waiters (cancelled or timed out) are dropped lazily; the deque is rebuilt once
 #: they outnumber the live ones by this much, so cancelling many stays linear.
 COMPACT_SLACK = 32
-
-
-def _refused_for_broken_key(waiter: Wait) -> bool:
-    return waiter.done() and not waiter.cancelled() and type(waiter.result()) is BrokenKeyError
-
-
-def _pop_identical(entries: dict[Any, Any], key: object) -> Any:
-    """Remove the entry whose key *is* ``key`` without comparing it to any other key.
-
-    ``popitem`` takes the newest entry without a lookup; the entries taken before ours
-    are put back (they compared fine with each other when they were first inserted).
-    """
-    if not any(present is key for present in entries):
-        return None
-    taken: list[tuple[Any, Any]] = []
-    try:
-        while True:
-            present, value = entries.popitem()
-            if present is key:
-                return value
-            taken.append((present, value))
-    finally:
-        for present, value in reversed(taken):
-            entries[present] = value
 
 
 class LoopShare:
@@ -72,6 +61,7 @@ class LoopShare:
 
     __slots__ = (
         "__weakref__",
+        "accessors_inline",
         "attention",
         "by_thread",
         "clock",
@@ -82,6 +72,7 @@ class LoopShare:
         "holders",
         "idle_waiters",
         "loop",
+        "new_future",
     )
 
     def __init__(
@@ -92,6 +83,12 @@ class LoopShare:
     ) -> None:
         self.loop = loop
         self.clock = loop_clock(loop)
+        # Whether the hand-off reads the loop's _closed and _task_factory itself.
+        self.accessors_inline = has_asyncio_accessors(loop)
+        # A waiter's future, on this loop (only ever called while it runs).
+        self.new_future: Callable[[], Future[Any]] = (
+            Future if _FUTURE_FINDS_LOOP_CHEAPLY else functools.partial(Future, loop=loop)
+        )
         # Whether the hot path may find this loop by its thread (see LoopShares.of).
         self.by_thread = False
         #: key -> the task holding its turn, or its KeyState once contended.
@@ -186,17 +183,11 @@ class LoopShare:
             return None
         if self.closed:
             raise closed_error(key)
-        pending = held.pending if type(held) is KeyState else 1
         replaced = None
-        if group is not None and type(held) is KeyState and held.latest is not None:
-            replaced = held.latest.get(group)
-            if replaced is not None and replaced.done():
-                replaced = None
-        if max_pending is not None and pending - (replaced is not None) >= max_pending:
-            self.counts.rejected += 1
-            raise QueueFull(key, max_pending)
+        if max_pending is not None or group is not None:
+            replaced = self.admit(key, held, max_pending, group)
         recheck = False
-        if holder is not None and owner is not NEW_TASK and self.detect_deadlocks:
+        if self.detect_deadlocks and holder is not None and owner is not NEW_TASK:
             # Walk only if the holder itself waits on something: usually it is running.
             blocking = holder.task if type(holder) is MultiTurn else holder
             # A holder can be mid-step only if tasks start eagerly: that is asked first
@@ -205,20 +196,25 @@ class LoopShare:
             if getattr(blocking, "_fut_waiter", None) is not None or (
                 EAGER_TASKS
                 and (
-                    not EAGER_NEEDS_FACTORY or self.loop.get_task_factory() is not None  # type: ignore[union-attr]
+                    not EAGER_NEEDS_FACTORY
+                    or (
+                        self.loop._task_factory  # type: ignore[union-attr]
+                        if self.accessors_inline
+                        else self.loop.get_task_factory()  # type: ignore[union-attr]
+                    )
+                    is not None
                 )
                 and is_task(blocking)
                 and is_running(blocking)
             ):
                 recheck = check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
-        loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[assignment]
-        state = self.contended(key, held)
+        state = held if type(held) is KeyState else self.contended(key, held)
         state.pending += 1
         waiter: Wait
         if timeout is None and owner is not NEW_TASK:
-            waiter = Future(loop=loop)  # its frame says what it waits for: see _waiting
+            waiter = self.new_future()  # its frame says what it waits for: see _waiting
         else:
-            waiter = new_waiter(loop, self, key, timeout, self.clock())
+            waiter = new_waiter(self.loop, self, key, timeout, self.clock())  # type: ignore[arg-type]
         if state.holder is None:
             state.holder = GRANTED
             waiter.set_result(True)
@@ -235,6 +231,24 @@ class LoopShare:
         if recheck:
             check_later(self, owner, (key,), waiter, waiter.set_result)  # type: ignore[arg-type]
         return waiter
+
+    def admit(
+        self, key: Hashable, held: Task | KeyState, max_pending: int | None, group: Hashable | None
+    ) -> Wait | None:
+        """Enforce ``max_pending`` on ``key``; the waiting call of ``group`` to supersede, if any.
+
+        A call that supersedes another does not add to the pending count. Raises QueueFull.
+        """
+        replaced = None
+        if group is not None and type(held) is KeyState and held.latest is not None:
+            replaced = held.latest.get(group)
+            if replaced is not None and replaced.done():
+                replaced = None
+        pending = held.pending if type(held) is KeyState else 1
+        if max_pending is not None and pending - (replaced is not None) >= max_pending:
+            self.counts.rejected += 1
+            raise QueueFull(key, max_pending)
+        return replaced
 
     # -- ending a wait ------------------------------------------------------------------------
 
@@ -272,7 +286,7 @@ class LoopShare:
         self.counts.cancelled += 1
         if type(waiter) is TimedWaiter:
             waiter.timer.cancel()
-        if _refused_for_broken_key(waiter):
+        if refused_for_broken_key(waiter):
             return  # the key's entry is gone already
         self.abandon(key, self.holders[key], waiter)  # type: ignore[arg-type]
 
@@ -307,7 +321,8 @@ class LoopShare:
         The key's entry may have been popped (a ``run`` turn's end pops it): it is put back.
         """
         self.holders[key] = state
-        if self.loop.is_closed():  # type: ignore[union-attr]
+        loop: Any = self.loop
+        if loop._closed if self.accessors_inline else loop.is_closed():
             return  # a coroutine finalized after its loop closed: that share is gone
         if self.fences.by_key:  # not bool(self.fences): a __bool__ call costs a frame
             self.drop_fence(key)
@@ -365,28 +380,8 @@ class LoopShare:
             self.release(key, held)  # type: ignore[arg-type]
 
     def remove_broken(self, key: Hashable, error: BaseException) -> BrokenKeyError:
-        """Drop ``key``, whose hash or equality just failed, and refuse the calls waiting for it.
-
-        A key that cannot be looked up any more cannot be handed on either: rather than
-        stay registered for ever, its entry is removed by identity and every waiting call
-        gets the error that the caller here gets.
-        """
-        broken = BrokenKeyError(
-            f"keyserial key {safe_repr(key)} failed to hash or compare while registered "
-            f"({error!r}); its turn ended and the calls waiting for it were refused"
-        )
-        held = _pop_identical(self.holders, key)
-        if self.fences:
-            self.fences.drop_identical(key)
-            self.update_attention()
-        if type(held) is KeyState:
-            for waiter in held.waiters:
-                future = waiter.future if type(waiter) is MultiTurn else waiter
-                if not future.done():  # type: ignore[union-attr]
-                    future.set_result(broken)  # type: ignore[union-attr]
-        if not self.holders and self.idle_waiters:
-            self.wake_idle()
-        return broken
+        """Drop ``key``, whose hash or equality just failed, and refuse its waiting calls."""
+        return remove_broken_key(self, key, error)
 
 
 # The frame that awaits a lock block's turn says what it waits for (see _waiting).
