@@ -21,7 +21,14 @@ class Variant:
 async def interleave(
     variants: Sequence[Variant], repeats: int, warmup: int = 1
 ) -> dict[str, float]:
-    """Median seconds per run of each variant, measured in alternating order."""
+    """Seconds per run of each variant, measured in alternating order, paired by round.
+
+    Each round runs every variant once. A variant's figure is the first variant's median
+    times the median of the variant's per-round ratio to the first: a machine that speeds
+    up or slows down between rounds moves both sides of each ratio alike, where the ratio
+    of two separate medians can pair a fast round of one variant with a slow one of the
+    other. The first variant's own figure is its plain median.
+    """
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     for _ in range(warmup):
         for variant in variants:
@@ -40,4 +47,14 @@ async def interleave(
                 times[variant.name].append(time.perf_counter() - start)
             finally:
                 gc.enable()
-    return {name: statistics.median(samples) for name, samples in times.items()}
+    return paired_medians(times)
+
+
+def paired_medians(times: dict[str, list[float]]) -> dict[str, float]:
+    """Each variant's per-round ratio to the first variant, as a median, times its median."""
+    reference = next(iter(times.values()))
+    base = statistics.median(reference)
+    return {
+        name: base * statistics.median(a / b for a, b in zip(samples, reference, strict=True))
+        for name, samples in times.items()
+    }

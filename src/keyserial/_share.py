@@ -361,12 +361,16 @@ class LoopShare:
             self.after_turn(key, held, task)
 
     def end_turn(self, key: Hashable, held: Task | KeyState, task: Task) -> None:
-        """End a ``run``/``call`` turn whose entry ``held`` was popped: count it, hand it on."""
+        """End a ``run``/``call`` turn whose entry ``held`` was popped: count it, hand it on.
+
+        Called only when the share needs attention; otherwise ``run`` and ``call`` hand a
+        contended turn on with ``release`` themselves.
+        """
         if self.counts.counting:
             self.counts.ended += 1
         if held is task:
             self.after_turn(key, held, task)
-        else:  # every contended turn ends here: hand it on without after_turn's frame
+        else:  # a contended turn that needs attention: hand it on without after_turn's frame
             self.release(key, held)  # type: ignore[arg-type]
 
     def after_turn(self, key: Hashable, held: Task | KeyState, task: Task) -> None:
