@@ -37,6 +37,7 @@ async def run(
         tables += await scenarios.contended(bare, calls, max(3, repeats // 2), (100,))
     else:
         tables += await scenarios.contended(adapters, calls, max(3, repeats // 2))
+    tables.append(await scenarios.loop_served(calls // 10, repeats * 3))
     tables += await scenarios.multi_key(calls // 2, repeats)
     tables.append(await scenarios.deadlock_chain(200 if quick else 10_000, chain, repeats))
     tables.append(await scenarios.observability(calls, repeats))

@@ -126,6 +126,12 @@ def targets(tables: Sequence[Table], waiter_sizes: Sequence[int]) -> list[Target
         results.append(
             _ratio("gather over 100 keys ÷ bare gather, fn returns at once", ratio, 1.15)
         )
+    if "loop-after-use" in by_id:
+        v = by_id["loop-after-use"]
+        ratio = v["loop keyserial has served"] / v["fresh loop"]
+        results.append(
+            _ratio("bare gather on a loop keyserial served ÷ on a fresh loop", ratio, 1.05)
+        )
     if "deadlock-check" in by_id:
         v = by_id["deadlock-check"]
         ratio = v["deadlock detection on (default)"] / v["detect_deadlocks=False"]
@@ -188,6 +194,9 @@ def load_targets(path: Path) -> list[Target]:
 def median_targets(runs: Sequence[Sequence[Target]]) -> list[Target]:
     """Each target with the median of its measurements over ``runs``."""
     first = runs[0]
+    claims = [target.claim for target in first]
+    if any([target.claim for target in run] != claims for run in runs):
+        raise ValueError("the runs measured different targets: rerun them on one version")
     return [
         dataclasses.replace(target, measured=statistics.median(run[i].measured for run in runs))
         for i, target in enumerate(first)

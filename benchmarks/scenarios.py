@@ -13,6 +13,7 @@ import wrapt
 
 from keyserial import KeyedSerialQueue, serialized
 
+from . import loop_after_use
 from .adapters import Adapter, Keyserial
 from .timing import Variant, interleave
 
@@ -188,6 +189,24 @@ async def contended(
 #: The contended floor: a bare gather whose calls are each woken once more, as a call that
 #: waits for its turn must be.
 FLOOR = "bare await + one extra wake-up (floor)"
+
+
+async def loop_served(calls: int, repeats: int) -> Table:
+    """A bare gather on a loop that keyserial has served against the same on a fresh loop.
+
+    The loops run in a thread of their own: this one's loop is running already.
+    """
+    seconds = await asyncio.to_thread(loop_after_use.seconds_per_bare_gather, calls, repeats)
+    table = Table(
+        "loop-after-use",
+        f"Bare gather of {calls:,} calls that yield once, on a loop keyserial has served "
+        "and on a fresh one",
+        "ns/call",
+        _ns_per_call(seconds, calls),
+        reference=loop_after_use.SERVED,
+    )
+    table.notes.append(f"ratio column: {loop_after_use.SERVED} / each row")
+    return table
 
 
 async def deadlock_chain(waiters: int, lengths: Sequence[int], repeats: int) -> Table:

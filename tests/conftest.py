@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -91,10 +92,33 @@ def _through_call(
     return queue.call(key, fn, args, kwargs)
 
 
-@pytest.fixture(params=["run", "call"])
+def _through_run_without_quick_waits(
+    queue: KeyedSerialQueue,
+    key: Hashable,
+    fn: Callable[..., Awaitable[Any]],
+    *args: Any,
+    **kwargs: Any,
+) -> Coroutine[Any, Any, Any]:
+    """``queue.run`` with every registration going through ``LoopShare.register``."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # a test of the error without a loop: nothing to switch off
+        pass
+    else:
+        queue._shares.of(loop).quick_waits = False
+    return queue.run(key, fn, *args, **kwargs)
+
+
+@pytest.fixture(params=["run", "call", "run without quick waits"])
 def run_in_turn(request: pytest.FixtureRequest) -> RunInTurn:
-    """``queue.run`` and ``queue.call`` in turn: the two copies of the hot path."""
-    return _through_run if request.param == "run" else _through_call
+    """``queue.run`` and ``queue.call`` in turn: the two copies of the hot path; and ``run``
+    with its written-out registration switched off, so that the same suites also cover
+    ``LoopShare.register``, the code those copies repeat for the commonest case."""
+    return {
+        "run": _through_run,
+        "call": _through_call,
+        "run without quick waits": _through_run_without_quick_waits,
+    }[request.param]
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import asyncio
 from collections import defaultdict
 from typing import Any, NamedTuple
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,8 +55,10 @@ def schedules(draw: st.DrawFn, multi_key: bool = False) -> tuple[int, list[Call]
     return keys, draw(st.lists(call, min_size=1, max_size=400))
 
 
-async def run_schedule(keys: int, schedule: list[Call]) -> None:
+async def run_schedule(keys: int, schedule: list[Call], quick_waits: bool) -> None:
     queue = KeyedSerialQueue()
+    if not quick_waits:  # every registration through LoopShare.register, none written out
+        queue._shares.of(asyncio.get_running_loop()).quick_waits = False
     # With eager tasks a task registers inside create_task(), like submit(); otherwise at its
     # first step, after the submits of the same loop iteration.
     eager = asyncio.get_running_loop().get_task_factory() is not None
@@ -128,10 +131,10 @@ async def run_schedule(keys: int, schedule: list[Call]) -> None:
     assert len(queue) == 0
 
 
-def check(loop_factory: LoopFactory, keys: int, schedule: list[Call]) -> None:
+def check(loop_factory: LoopFactory, keys: int, schedule: list[Call], quick_waits: bool) -> None:
     async def guarded() -> None:
         # A deadlock must fail this example (so that hypothesis can shrink it), not hang.
-        await asyncio.wait_for(run_schedule(keys, schedule), timeout=30)
+        await asyncio.wait_for(run_schedule(keys, schedule, quick_waits), timeout=30)
 
     run_on(loop_factory, guarded())
 
@@ -142,17 +145,24 @@ _SETTINGS = settings(
 )
 
 
+#: run() and call() with their written-out registration, and with it switched off, so that
+#: the same schedules cover both copies of it (see LoopShare.quick_waits).
+_BOTH_COPIES = pytest.mark.parametrize("quick_waits", [True, False], ids=["quick", "register"])
+
+
+@_BOTH_COPIES
 @_SETTINGS
 @given(drawn=schedules())
 def test_random_schedules_keep_the_contract(
-    loop_factory: LoopFactory, drawn: tuple[int, list[Call]]
+    loop_factory: LoopFactory, quick_waits: bool, drawn: tuple[int, list[Call]]
 ) -> None:
-    check(loop_factory, *drawn)
+    check(loop_factory, *drawn, quick_waits)
 
 
+@_BOTH_COPIES
 @_SETTINGS
 @given(drawn=schedules(multi_key=True))
 def test_random_multi_key_schedules_keep_the_contract(
-    loop_factory: LoopFactory, drawn: tuple[int, list[Call]]
+    loop_factory: LoopFactory, quick_waits: bool, drawn: tuple[int, list[Call]]
 ) -> None:
-    check(loop_factory, *drawn)
+    check(loop_factory, *drawn, quick_waits)

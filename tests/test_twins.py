@@ -26,12 +26,24 @@ def _body(method: object) -> list[ast.stmt]:
     return body
 
 
+def _names_group(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "group"
+
+
 class _WithoutGroup(ast.NodeTransformer):
-    """Drop ``group``, the one argument ``call`` passes on and ``run`` has not."""
+    """Drop ``group``, the one argument ``call`` passes on and ``run`` has not, and the test
+    ``group is None`` that ``call`` adds to a condition."""
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
         self.generic_visit(node)
-        node.args = [a for a in node.args if not (isinstance(a, ast.Name) and a.id == "group")]
+        node.args = [a for a in node.args if not _names_group(a)]
+        return node
+
+    def visit_BoolOp(self, node: ast.BoolOp) -> ast.AST:
+        self.generic_visit(node)
+        node.values = [
+            v for v in node.values if not (isinstance(v, ast.Compare) and _names_group(v.left))
+        ]
         return node
 
 

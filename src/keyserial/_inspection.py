@@ -150,7 +150,9 @@ class QueueShares:
 
             ```
         """
-        self._shares.of(running_loop()).closed = True
+        share = self._shares.of(running_loop())
+        share.closed = True
+        share.quick_waits = False  # run() and call() must reach register() to be refused
         await self.join()
 
     def __repr__(self) -> str:

@@ -1,8 +1,8 @@
 """The in-process keyed serial queue: the façade, and the hot path of ``run`` and ``call``.
 
 Everything a call does beyond the uncontended path lives in the modules it calls:
-registration and hand-off in ``_share``, several keys in ``_multikey``, lock blocks in
-``_locks``, ``submit`` in ``_submit``, loop routing in ``_loops``.
+registration and hand-off in ``_share``, several keys in ``_multikey``, ``lock`` and
+``submit`` in ``_detached``, loop routing in ``_loops``.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from asyncio import Future
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from ._broken import remove_broken_key
 from ._deadlock import register_entry_code
+from ._detached import DetachedTurns
 from ._errors import closed_error, key_error
 from ._fence import register_turn_code
-from ._locks import TurnLock
-from ._loops import get_running_loop, no_event_loop, outside_task, running_loop, task_of
-from ._multikey import MultiKeyCalls, check_timeout
-from ._protocols import KeyLock
+from ._loops import get_running_loop, no_event_loop, outside_task, task_of
+from ._multikey import check_timeout
 from ._records import KeyState
-from ._submit import Submission, submit
+from ._submit import Submission
 from ._waiting import register_waiting_code
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ P = ParamSpec("P")
 Task = asyncio.Task[Any]
 
 
-class KeyedSerialQueue(MultiKeyCalls):
+class KeyedSerialQueue(DetachedTurns):
     """Run async calls one at a time per key, in registration order; different keys concurrently.
 
     Guarantees:
@@ -180,9 +180,23 @@ class KeyedSerialQueue(MultiKeyCalls):
                 raise closed_error(key)
             holders[key] = task  # the uncontended path: one dict entry, nothing else
         else:
-            waiter = share.register(key, holder, task, timeout, self._max_pending)
-            if waiter is None:  # re-entry: run inside the turn this task holds
-                return await fn(*args, **kwargs)
+            if (  # register()'s commonest case, without its frame: see LoopShare.quick_waits
+                type(holder) is KeyState
+                and share.quick_waits
+                and (current := holder.holder) is not task
+                and getattr(current, "_fut_waiter", True) is None  # a task that runs holds it
+                and loop._task_factory is None  # type: ignore[union-attr]
+                and self._max_pending is None
+                and timeout is None
+            ):
+                waiter = share.new_future()
+                holder.pending += 1
+                holder.waiters.append(waiter)
+            else:
+                registered = share.register(key, holder, task, timeout, self._max_pending)
+                if registered is None:  # re-entry: run inside the turn this task holds
+                    return await fn(*args, **kwargs)
+                waiter = registered
             since = share.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
             try:
                 granted = await waiter
@@ -205,7 +219,7 @@ class KeyedSerialQueue(MultiKeyCalls):
             try:
                 held = holders.pop(key)
             except Exception as exc:  # the key broke during the turn: never leave it stuck
-                raise share.remove_broken(key, exc) from exc
+                raise remove_broken_key(share, key, exc) from exc
             if share.attention:
                 share.end_turn(key, held, task)
             elif held is not task:  # a contended turn: hand it on
@@ -273,9 +287,24 @@ class KeyedSerialQueue(MultiKeyCalls):
                 raise closed_error(key)
             holders[key] = task  # the uncontended path: one dict entry, nothing else
         else:
-            waiter = share.register(key, holder, task, timeout, self._max_pending, group)
-            if waiter is None:  # re-entry: run inside the turn this task holds
-                return await fn(*args, **kwargs)
+            if (  # register()'s commonest case, without its frame: see LoopShare.quick_waits
+                type(holder) is KeyState
+                and share.quick_waits
+                and (current := holder.holder) is not task
+                and getattr(current, "_fut_waiter", True) is None  # a task that runs holds it
+                and loop._task_factory is None  # type: ignore[union-attr]
+                and self._max_pending is None
+                and timeout is None
+                and group is None
+            ):
+                waiter = share.new_future()
+                holder.pending += 1
+                holder.waiters.append(waiter)
+            else:
+                registered = share.register(key, holder, task, timeout, self._max_pending, group)
+                if registered is None:  # re-entry: run inside the turn this task holds
+                    return await fn(*args, **kwargs)
+                waiter = registered
             since = share.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
             try:
                 granted = await waiter
@@ -298,80 +327,11 @@ class KeyedSerialQueue(MultiKeyCalls):
             try:
                 held = holders.pop(key)
             except Exception as exc:  # the key broke during the turn: never leave it stuck
-                raise share.remove_broken(key, exc) from exc
+                raise remove_broken_key(share, key, exc) from exc
             if share.attention:
                 share.end_turn(key, held, task)
             elif held is not task:  # a contended turn: hand it on
                 share.release(key, held)  # type: ignore[arg-type]
-
-    def submit(
-        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
-    ) -> asyncio.Task[T]:
-        """Start ``fn(*args, **kwargs)`` in ``key``'s turn as a new task; it is registered at once.
-
-        The new task is a different task from the caller, so it queues even
-        when the caller holds ``key`` (awaiting it from inside that turn would
-        deadlock). Cancelling the task before its turn withdraws it without a
-        trace; cancelling it during its turn passes the turn on when ``fn`` exits.
-
-        Raises:
-            QueueClosed: the queue is closed (for the running event loop).
-            QueueFull: ``key`` already has ``max_pending`` pending calls.
-            TypeError: ``key`` is not hashable or ``fn`` is not callable.
-            RuntimeError: no event loop is running.
-
-        Example:
-            ```pycon
-            >>> import asyncio
-            >>> from keyserial import KeyedSerialQueue
-            >>> async def main() -> list[int]:
-            ...     queue = KeyedSerialQueue()
-            ...     async def echo(i: int) -> int:
-            ...         return i
-            ...     tasks = [queue.submit("k", echo, i) for i in range(3)]
-            ...     return list(await asyncio.gather(*tasks))
-            >>> asyncio.run(main())
-            [0, 1, 2]
-
-            ```
-        """
-        if not callable(fn):
-            raise TypeError(f"submit() needs an async callable, got {fn!r}")
-        loop = running_loop()
-        return submit(self._shares.of(loop), key, fn, args, kwargs, self._max_pending)
-
-    def lock(
-        self, key: Hashable, timeout: float | None = None, group: Hashable | None = None
-    ) -> KeyLock:
-        """Hold ``key``'s turn for the body of an ``async with`` block.
-
-        The block registers when it is entered. ``timeout`` bounds only the
-        wait for the turn; entering from the task that already holds ``key``
-        does not wait and does not release the outer turn on exit. ``group``
-        coalesces as for [call][keyserial.KeyedSerialQueue.call].
-
-        Raises:
-            TimeoutError: the turn did not come within ``timeout`` seconds.
-            Superseded: a newer block of the same ``group`` replaced this one.
-            QueueClosed, QueueFull, TypeError, RuntimeError: as for
-                [run][keyserial.KeyedSerialQueue.run].
-            ValueError: ``timeout`` is negative.
-
-        Example:
-            ```pycon
-            >>> import asyncio
-            >>> from keyserial import KeyedSerialQueue
-            >>> async def main() -> bool:
-            ...     queue = KeyedSerialQueue()
-            ...     async with queue.lock("seg-1", timeout=5):
-            ...         return queue.locked("seg-1")
-            >>> asyncio.run(main())
-            True
-
-            ```
-        """
-        check_timeout(timeout)
-        return TurnLock(self._shares, key, timeout, group, self._max_pending)
 
 
 _OBSERVED_QUEUE: list[type[KeyedSerialQueue]] = []

@@ -73,6 +73,7 @@ class LoopShare:
         "idle_waiters",
         "loop",
         "new_future",
+        "quick_waits",
     )
 
     def __init__(
@@ -89,6 +90,11 @@ class LoopShare:
         self.new_future: Callable[[], Future[Any]] = (
             Future if _FUTURE_FINDS_LOOP_CHEAPLY else functools.partial(Future, loop=loop)
         )
+        # Whether run() and call() may queue a call without options behind a running holder
+        # themselves, as register() would, a frame fewer: where the loop's _task_factory is
+        # asyncio's field and only a factory starts tasks eagerly; off once closed. The
+        # behaviour suites run with it on and off (tests/conftest.py).
+        self.quick_waits = self.accessors_inline and EAGER_NEEDS_FACTORY
         # Whether the hot path may find this loop by its thread (see LoopShares.of).
         self.by_thread = False
         #: key -> the task holding its turn, or its KeyState once contended.
@@ -356,7 +362,7 @@ class LoopShare:
         try:
             held = self.holders.pop(key)
         except Exception as exc:
-            raise self.remove_broken(key, exc) from exc
+            raise remove_broken_key(self, key, exc) from exc
         if held is not task or self.attention:
             self.after_turn(key, held, task)
 
@@ -382,10 +388,6 @@ class LoopShare:
                 self.wake_idle()
         else:
             self.release(key, held)  # type: ignore[arg-type]
-
-    def remove_broken(self, key: Hashable, error: BaseException) -> BrokenKeyError:
-        """Drop ``key``, whose hash or equality just failed, and refuse its waiting calls."""
-        return remove_broken_key(self, key, error)
 
 
 # The frame that awaits a lock block's turn says what it waits for (see _waiting).
