@@ -32,7 +32,7 @@ def _names_group(node: ast.expr) -> bool:
 
 class _WithoutGroup(ast.NodeTransformer):
     """Drop ``group``, the one argument ``call`` passes on and ``run`` has not, and the test
-    ``group is None`` that ``call`` adds to a condition."""
+    ``group is not None`` that ``call`` adds to a condition."""
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
         self.generic_visit(node)

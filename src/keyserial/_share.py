@@ -162,10 +162,9 @@ class LoopShare:
 
     def contended(self, key: Hashable, held: Task | KeyState) -> KeyState:
         """``key``'s state, made a KeyState if it was a plain holding task."""
-        if type(held) is KeyState:
-            return held
-        state = self.holders[key] = KeyState(held, self.clock())
-        return state
+        if type(held) is not KeyState:
+            held = self.holders[key] = KeyState(held, self.clock())
+        return held
 
     def register(
         self,
@@ -362,7 +361,7 @@ class LoopShare:
         try:
             held = self.holders.pop(key)
         except Exception as exc:
-            raise remove_broken_key(self, key, exc) from exc
+            raise self.remove_broken(key, exc) from exc
         if held is not task or self.attention:
             self.after_turn(key, held, task)
 
@@ -388,6 +387,10 @@ class LoopShare:
                 self.wake_idle()
         else:
             self.release(key, held)  # type: ignore[arg-type]
+
+    def remove_broken(self, key: Hashable, error: BaseException) -> BrokenKeyError:
+        """Drop ``key``, whose hash or equality just failed, and refuse its waiting calls."""
+        return remove_broken_key(self, key, error)
 
 
 # The frame that awaits a lock block's turn says what it waits for (see _waiting).

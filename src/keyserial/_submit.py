@@ -7,7 +7,6 @@ from collections.abc import Awaitable, Callable, Hashable
 from types import CoroutineType
 from typing import Any, TypeVar, cast
 
-from ._broken import remove_broken_key
 from ._deadlock import check_later, check_no_cycle
 from ._errors import DeadlockError, closed_error, key_error
 from ._records import GRANTED, NEW_TASK, KeyState, Wait, new_waiter
@@ -56,7 +55,7 @@ class Submission:
             try:
                 state = share.holders[key]
             except Exception as exc:  # the key broke during the turn: never leave it stuck
-                raise remove_broken_key(share, key, exc) from exc
+                raise share.remove_broken(key, exc) from exc
             share.release(key, state)  # type: ignore[arg-type]
 
     def withdraw_if_unstarted(self, task: Task) -> None:
