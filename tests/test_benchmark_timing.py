@@ -35,3 +35,14 @@ def test_interleave_reports_paired_figures(monkeypatch: pytest.MonkeyPatch) -> N
         interleave([variant("a", [1.0, 3.0, 2.0]), variant("b", [4.0, 4.5, 3.0])], 3, warmup=0)
     )
     assert figures == {"a": 2.0, "b": 3.0}
+
+
+def test_runs_of_different_targets_are_refused_rather_than_paired_by_position() -> None:
+    from benchmarks.report import Target, median_targets
+
+    first = [Target("a", 1.0, 2.0), Target("b", 1.0, 2.0)]
+    same = [Target("a", 3.0, 2.0), Target("b", 5.0, 2.0)]
+    assert [t.measured for t in median_targets([first, same, same])] == [3.0, 5.0]
+    another = [Target("a", 1.0, 2.0), Target("new", 9.0, 2.0), Target("b", 1.0, 2.0)]
+    with pytest.raises(ValueError, match="different targets"):
+        median_targets([first, another])
