@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from keyserial import KeyedSerialQueue
+from keyserial import KeyedSerialQueue, QueueClosed
 
 from .conftest import RunInTurn
 from .scheduling import settle
@@ -205,3 +205,36 @@ async def test_inspection_of_unknown_keys() -> None:
     assert "x" not in queue
     assert [] not in queue  # unhashable: simply not there
     assert "keys=0" in repr(queue)
+
+
+@pytest.mark.asyncio
+async def test_closing_refuses_a_call_that_would_queue_behind_a_running_holder(
+    run_in_turn: RunInTurn,
+) -> None:
+    # The holder runs (it yields without parking on a future) while calls queue behind it:
+    # the case run() and call() register without LoopShare.register, which must still see
+    # that the queue is closed.
+    queue, log = KeyedSerialQueue(), []
+
+    async def spin() -> None:
+        for _ in range(50):  # longer than the steps below take
+            await asyncio.sleep(0)
+        log.append("holder")
+
+    async def record(name: str) -> None:
+        log.append(name)
+
+    holder = asyncio.create_task(run_in_turn(queue, "k", spin))
+    await asyncio.sleep(0)
+    queued = asyncio.create_task(run_in_turn(queue, "k", record, "queued"))
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(queue.aclose())
+    await asyncio.sleep(0)
+    late = asyncio.create_task(run_in_turn(queue, "k", record, "late"))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert late.done()
+    with pytest.raises(QueueClosed):
+        late.result()
+    await asyncio.gather(holder, queued, closing)
+    assert log == ["holder", "queued"]
