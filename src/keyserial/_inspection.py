@@ -150,9 +150,7 @@ class QueueShares:
 
             ```
         """
-        share = self._shares.of(running_loop())
-        share.closed = True
-        share.quick_waits = False  # run() and call() must reach register() to be refused
+        self._shares.of(running_loop()).closed = True
         await self.join()
 
     def __repr__(self) -> str:

@@ -182,6 +182,7 @@ class KeyedSerialQueue(DetachedTurns):
             if (  # anything but the commonest case goes to register(): see quick_waits
                 type(holder) is not KeyState
                 or not share.quick_waits
+                or share.closed
                 or holder.holder is task
                 or getattr(holder.holder, "_fut_waiter", True) is not None  # not running
                 or loop._task_factory is not None  # type: ignore[union-attr]
@@ -288,6 +289,7 @@ class KeyedSerialQueue(DetachedTurns):
             if (  # anything but the commonest case goes to register(): see quick_waits
                 type(holder) is not KeyState
                 or not share.quick_waits
+                or share.closed
                 or holder.holder is task
                 or getattr(holder.holder, "_fut_waiter", True) is not None  # not running
                 or loop._task_factory is not None  # type: ignore[union-attr]

@@ -91,8 +91,8 @@ class LoopShare:
             Future if _FUTURE_FINDS_LOOP_CHEAPLY else functools.partial(Future, loop=loop)
         )
         # Whether run() and call() may queue a call without options behind a running holder
-        # themselves, as register() would, a frame fewer: where the loop's _task_factory is
-        # asyncio's field and only a factory starts tasks eagerly; off once closed. The
+        # on an open share themselves, as register() would, a frame fewer: where the loop's
+        # _task_factory is asyncio's field and only a factory starts tasks eagerly. The
         # behaviour suites run with it on and off (tests/conftest.py).
         self.quick_waits = self.accessors_inline and EAGER_NEEDS_FACTORY
         # Whether the hot path may find this loop by its thread (see LoopShares.of).
