@@ -92,6 +92,16 @@ def _through_call(
     return queue.call(key, fn, args, kwargs)
 
 
+def without_quick_waits(queue: KeyedSerialQueue) -> None:
+    """Send every registration of ``queue`` on the running loop through ``LoopShare.register``
+    (no-op without a running loop: a test of the error that no loop runs)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    queue._shares.of(loop).quick_waits = False
+
+
 def _through_run_without_quick_waits(
     queue: KeyedSerialQueue,
     key: Hashable,
@@ -100,12 +110,7 @@ def _through_run_without_quick_waits(
     **kwargs: Any,
 ) -> Coroutine[Any, Any, Any]:
     """``queue.run`` with every registration going through ``LoopShare.register``."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # a test of the error without a loop: nothing to switch off
-        pass
-    else:
-        queue._shares.of(loop).quick_waits = False
+    without_quick_waits(queue)
     return queue.run(key, fn, *args, **kwargs)
 
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from keyserial import KeyedSerialQueue, Superseded
 
+from .conftest import without_quick_waits
 from .loops import LoopFactory, run_on
 
 
@@ -57,8 +58,8 @@ def schedules(draw: st.DrawFn, multi_key: bool = False) -> tuple[int, list[Call]
 
 async def run_schedule(keys: int, schedule: list[Call], quick_waits: bool) -> None:
     queue = KeyedSerialQueue()
-    if not quick_waits:  # every registration through LoopShare.register, none written out
-        queue._shares.of(asyncio.get_running_loop()).quick_waits = False
+    if not quick_waits:
+        without_quick_waits(queue)
     # With eager tasks a task registers inside create_task(), like submit(); otherwise at its
     # first step, after the submits of the same loop iteration.
     eager = asyncio.get_running_loop().get_task_factory() is not None
