@@ -147,7 +147,10 @@ async def pools(postgres_dsn: str) -> AsyncIterator[Pools]:
         options.setdefault("min_size", 1)
         options.setdefault("max_size", 10)
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(postgres_dsn, open=False, **options)
-        await pool.open()
+        # Wait for min_size connections: a request that finds none ready makes the pool grow
+        # in the background, and a connection still being opened then would read as one
+        # the code under test did not give back.
+        await pool.open(wait=True)
         made.append(pool)
         return pool
 
