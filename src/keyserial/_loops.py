@@ -51,7 +51,7 @@ def _after_fork() -> None:
     # same id: only get_running_loop(), which compares process ids, can tell that the loop
     # is not running here. (Python 3.12 and later reset the running loop in the child.)
     for share in list(_BY_THREAD):
-        share.by_thread = False
+        share.thread_loop = None
 
 
 if _LOOP_BY_THREAD and hasattr(os, "register_at_fork"):
@@ -130,7 +130,7 @@ class LoopShares:
                     loop, self.detect_deadlocks, self.count_calls
                 )
                 if _LOOP_BY_THREAD and isinstance(loop, asyncio.BaseEventLoop):
-                    found.by_thread = True
+                    found.thread_loop = loop
                     _BY_THREAD.add(found)
             self.cached = share = found
         return share

@@ -63,7 +63,6 @@ class LoopShare:
         "__weakref__",
         "accessors_inline",
         "attention",
-        "by_thread",
         "clock",
         "closed",
         "counts",
@@ -74,6 +73,7 @@ class LoopShare:
         "loop",
         "new_future",
         "quick_waits",
+        "thread_loop",
     )
 
     def __init__(
@@ -95,8 +95,8 @@ class LoopShare:
         # _task_factory is asyncio's field and only a factory starts tasks eagerly. The
         # behaviour suites run with it on and off (tests/conftest.py).
         self.quick_waits = self.accessors_inline and EAGER_NEEDS_FACTORY
-        # Whether the hot path may find this loop by its thread (see LoopShares.of).
-        self.by_thread = False
+        # The loop, where the hot path may find it by its thread (see LoopShares.of); else None.
+        self.thread_loop: asyncio.AbstractEventLoop | None = None
         #: key -> the task holding its turn, or its KeyState once contended.
         self.holders: dict[Hashable, Task | KeyState] = {}
         self.closed = False
