@@ -180,6 +180,20 @@ async def test_keyword_arguments_reach_the_function(run_in_turn: RunInTurn) -> N
     assert await queue.call("k", join_words, ("x",), {"b": "z"}) == "xz"
 
 
+async def test_every_shape_of_arguments_reaches_the_function(run_in_turn: RunInTurn) -> None:
+    # The turn calls fn without unpacking when it has no arguments: each shape takes its own
+    # branch, and none may drop or add an argument.
+    queue = KeyedSerialQueue()
+
+    async def echo(*args: object, **kwargs: object) -> tuple[tuple[object, ...], dict[str, object]]:
+        return args, kwargs
+
+    assert await run_in_turn(queue, "k", echo) == ((), {})
+    assert await run_in_turn(queue, "k", echo, 1) == ((1,), {})
+    assert await run_in_turn(queue, "k", echo, b=2) == ((), {"b": 2})
+    assert await run_in_turn(queue, "k", echo, 1, b=2) == ((1,), {"b": 2})
+
+
 async def test_lock_holds_the_turn_for_a_block(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
     log: list[str] = []
