@@ -158,7 +158,7 @@ class KeyedSerialQueue(DetachedTurns):
         """
         timeout = None
         share = self._shares.cached
-        loop = share.thread_loop  # None from Python 3.12 on: get_running_loop() is cheap there
+        loop = share.thread_loop  # None but where the thread tells the loop (see LoopShares.of)
         if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
             try:
                 loop = get_running_loop()
@@ -270,7 +270,7 @@ class KeyedSerialQueue(DetachedTurns):
         if timeout is not None:
             check_timeout(timeout)
         share = self._shares.cached
-        loop = share.thread_loop  # None from Python 3.12 on: get_running_loop() is cheap there
+        loop = share.thread_loop  # None but where the thread tells the loop (see LoopShares.of)
         if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
             try:
                 loop = get_running_loop()
