@@ -49,9 +49,15 @@ def _sequential_variant(adapter: Adapter, keys: Sequence[Hashable]) -> Variant:
     return Variant(adapter.name, lambda: adapter.sequential(keys, noop), adapter.reset)
 
 
-async def uncontended(adapters: Sequence[Adapter], calls: int, repeats: int) -> list[Table]:
+async def uncontended(
+    adapters: Sequence[Adapter], calls: int, repeats: int, one_key: bool = True
+) -> list[Table]:
+    """Sequential calls on distinct keys, and (``one_key``) the same on a single key."""
     tables: list[Table] = []
-    for label, keys in (("distinct keys", list(range(calls))), ("one key", [0] * calls)):
+    shapes = [("distinct keys", list(range(calls)))]
+    if one_key:
+        shapes.append(("one key", [0] * calls))
+    for label, keys in shapes:
         variants = [_sequential_variant(a, keys) for a in adapters]
         seconds = await interleave(variants, repeats)
         tables.append(
