@@ -27,20 +27,20 @@ async def run(
     chain = (1, 10, 100) if quick else (1, 10, 100, 1_000)
     adapters = all_adapters()
     # The headline run measures only what the targets need, to be repeated in separate
-    # processes (--runs): keyserial alone where a target reads only its own figures.
+    # processes (--runs): keyserial alone where a target reads only its own figures. The rows
+    # nearest their limits (uncontended, decorated, contended) get more rounds there, in the
+    # time the rest of the full run would take: on a shared machine one round's ratio moves by
+    # up to a third (the contended one measured 1.19 to 1.93 in nine rounds of one process),
+    # so a median of three rounds can land 0.1 off; of nine, about half as far.
     ours = [a for a in adapters if a.name == "keyserial"]
+    rounds = _rounds_near_limits(repeats, headline)
     tables: list[scenarios.Table] = []
     if headline:
-        # The two rows nearest their limits get more rounds in the time the rest of the full
-        # run would take: on a shared machine one round's ratio moves by up to a third (the
-        # contended one measured 1.19 to 1.93 in nine rounds of one process), so a median of
-        # three rounds can land 0.1 off; of nine, about half as far.
-        rounds = 2 * repeats - 1
         targeted = [a for a in adapters if a.name in _UNCONTENDED_TARGETS]
         tables += await scenarios.uncontended(targeted, calls, rounds, one_key=False)
     else:
         tables += await scenarios.uncontended(adapters, calls, repeats)
-    tables.append(await scenarios.decorated(calls, repeats))
+    tables.append(await scenarios.decorated(calls, rounds))
     if headline:
         bare = [a for a in adapters if a.name in ("keyserial", "bare await")]
         tables += await scenarios.contended(bare, calls, rounds, (100,))
@@ -67,6 +67,19 @@ async def run(
 
 #: The adapters the uncontended targets compare keyserial with (see report.targets).
 _UNCONTENDED_TARGETS = ("keyserial", "one asyncio.Lock", "defaultdict(Lock)", "asyncio-keyed-lock")
+
+
+def _rounds_near_limits(repeats: int, headline: bool) -> int:
+    """Rounds for the uncontended, decorated and contended rows: more in a headline run."""
+    return 2 * repeats - 1 if headline else repeats
+
+
+def _repeats_said(repeats: int, headline: bool) -> str:
+    said = f"{repeats} interleaved repeats per variant"
+    if headline:
+        rounds = _rounds_near_limits(repeats, headline)
+        said += f" ({rounds} for the uncontended, decorated and contended rows)"
+    return said
 
 
 def _runs_in_processes(runs: int, arguments: list[str]) -> list[list[report.Target]]:
@@ -121,7 +134,7 @@ def main() -> int:
             [
                 f"Environment: {report.environment()}",
                 f"Command: `{command.strip()}`: {options.runs} separate processes, each "
-                f"with {repeats} interleaved repeats per variant; median and range over "
+                f"with {_repeats_said(repeats, options.headline)}; median and range over "
                 "the processes.",
                 report.render_runs(results),
             ]
@@ -132,7 +145,7 @@ def main() -> int:
         targets = report.targets(tables, waiter_sizes)
         parts = [
             f"Environment: {report.environment()}",
-            f"Command: `{command.strip()}`, {repeats} interleaved repeats per variant, medians.",
+            f"Command: `{command.strip()}`, {_repeats_said(repeats, options.headline)}, medians.",
             report.render_targets(targets),
             *(report.render(table) for table in tables),
         ]
