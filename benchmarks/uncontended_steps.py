@@ -1,0 +1,227 @@
+"""What each step of an uncontended ``run`` costs: keyed runs built up to keyserial's, step by step.
+
+    python -m benchmarks.uncontended_steps            # 200,000 calls, 11 rounds
+    python -m benchmarks.uncontended_steps --quick    # tiny sizes, for CI smoke runs
+
+The uncontended target compares ``run`` with an ``async with`` on one ``asyncio.Lock``
+around the same call. This scenario times, in the same rounds and paired by round, keyed
+runs that each do one step more than the one before, with the signature of ``run``:
+
+* the key alone: find the loop and the task, insert the key, call, pop the key;
+* the loop's share: the same, with the key table found through keyserial's own per-loop
+  routing (``LoopShares``), as ``run`` finds it;
+* the checks: the same, with the checks ``run`` makes on the way (a call outside a task,
+  a closed share) and at the turn's end (a turn that needs attention or was contended);
+* keyserial's ``run`` itself.
+
+The three built-up runs never queue: a busy key raises. They exist to be timed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from _thread import get_ident
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Any, ParamSpec, TypeVar
+
+from keyserial import KeyedSerialQueue
+from keyserial._loops import LoopShares, get_running_loop, task_of
+
+from .report import environment
+from .timing import Variant, interleave
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+LOCK = "one asyncio.Lock"
+
+
+class KeyAlone:
+    """A keyed run that finds the loop and the task, and inserts and pops the key."""
+
+    __slots__ = ("holders",)
+
+    def __init__(self) -> None:
+        self.holders: dict[Hashable, asyncio.Task[Any] | None] = {}
+
+    def __len__(self) -> int:
+        return len(self.holders)
+
+    async def run(
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        loop = get_running_loop()
+        task = task_of(loop)
+        holders = self.holders
+        if key in holders:
+            raise RuntimeError(f"key {key!r} is busy: this run does not queue")
+        holders[key] = task
+        try:
+            if kwargs:
+                return await fn(*args, **kwargs)
+            if args:
+                return await fn(*args)  # type: ignore[call-arg]
+            return await fn()  # type: ignore[call-arg]
+        finally:
+            holders.pop(key)
+
+
+class LoopsShare:
+    """``KeyAlone`` with the key table found through the loop's share, as ``run`` finds it."""
+
+    __slots__ = ("_shares",)
+
+    def __init__(self) -> None:
+        self._shares = LoopShares(detect_deadlocks=True, count_calls=False)
+
+    def __len__(self) -> int:
+        return len(self._shares.cached.holders)
+
+    async def run(
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        share = self._shares.cached
+        loop = share.thread_loop
+        if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
+            loop = get_running_loop()
+            if share.loop is not loop:
+                share = self._shares.of(loop)
+        task = task_of(loop)
+        holders = share.holders
+        if key in holders:
+            raise RuntimeError(f"key {key!r} is busy: this run does not queue")
+        holders[key] = task  # type: ignore[assignment]
+        try:
+            if kwargs:
+                return await fn(*args, **kwargs)
+            if args:
+                return await fn(*args)  # type: ignore[call-arg]
+            return await fn()  # type: ignore[call-arg]
+        finally:
+            holders.pop(key)
+
+
+class Checked:
+    """``LoopsShare`` with the checks ``run`` makes on an uncontended call."""
+
+    __slots__ = ("_shares",)
+
+    def __init__(self) -> None:
+        self._shares = LoopShares(detect_deadlocks=True, count_calls=False)
+
+    def __len__(self) -> int:
+        return len(self._shares.cached.holders)
+
+    async def run(
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        share = self._shares.cached
+        loop = share.thread_loop
+        if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
+            loop = get_running_loop()
+            if share.loop is not loop:
+                share = self._shares.of(loop)
+        task = task_of(loop)
+        if task is None:
+            raise RuntimeError("not in a task")
+        holders = share.holders
+        holder = holders[key] if key in holders else None  # noqa: SIM401  # as run() reads it
+        if holder is not None:
+            raise RuntimeError(f"key {key!r} is busy: this run does not queue")
+        if share.closed:
+            raise RuntimeError("closed")
+        holders[key] = task
+        try:
+            if kwargs:
+                return await fn(*args, **kwargs)
+            if args:
+                return await fn(*args)  # type: ignore[call-arg]
+            return await fn()  # type: ignore[call-arg]
+        finally:
+            held = holders.pop(key)
+            if share.attention:
+                share.end_turn(key, held, task)
+            elif held is not task:
+                share.release(key, held)  # type: ignore[arg-type]
+
+
+#: The keyed runs, in the order of their steps; the last is keyserial's.
+STEPS: dict[str, Callable[[], Any]] = {
+    "the key alone": KeyAlone,
+    "+ the loop's share": LoopsShare,
+    "+ the checks": Checked,
+    "keyserial's run": KeyedSerialQueue,
+}
+
+
+async def _noop() -> None:
+    return None
+
+
+def _keyed_variant(name: str, make: Callable[[], Any], keys: Sequence[int]) -> Variant:
+    queue: list[Any] = [make()]
+
+    async def run() -> None:
+        enqueue = queue[0].run
+        for key in keys:
+            await enqueue(key, _noop)
+
+    def reset() -> None:
+        queue[0] = make()
+
+    return Variant(name, run, reset)
+
+
+def _lock_variant(keys: Sequence[int]) -> Variant:
+    async def run() -> None:
+        lock = asyncio.Lock()
+        for _ in keys:
+            async with lock:
+                await _noop()
+
+    return Variant(LOCK, run)
+
+
+async def seconds_per_run(calls: int, repeats: int) -> dict[str, float]:
+    """Seconds for ``calls`` sequential calls on distinct keys, per variant, paired by round."""
+    keys = list(range(calls))
+    variants = [_lock_variant(keys)] + [
+        _keyed_variant(name, make, keys) for name, make in STEPS.items()
+    ]
+    return await interleave(variants, repeats)
+
+
+def report(seconds: dict[str, float], calls: int, command: str) -> str:
+    """The table of ns per call and each variant's ratio to the lock."""
+    lock = seconds[LOCK]
+    lines = [
+        f"Environment: {environment()}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"### Uncontended, step by step: {calls:,} sequential calls, distinct keys",
+        "",
+        "| variant | ns/call | ÷ one asyncio.Lock |",
+        "|---|---:|---:|",
+    ]
+    for name, value in seconds.items():
+        lines.append(f"| {name} | {value / calls * 1e9:,.0f} | {value / lock:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.uncontended_steps")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for CI smoke runs")
+    parser.add_argument("--repeats", type=int, default=11, help="interleaved rounds")
+    options = parser.parse_args()
+    calls = 2_000 if options.quick else 200_000
+    repeats = 1 if options.quick else options.repeats
+    seconds = asyncio.run(seconds_per_run(calls, repeats))
+    command = "python -m benchmarks.uncontended_steps" + (" --quick" if options.quick else "")
+    print(report(seconds, calls, command))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
