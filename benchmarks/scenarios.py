@@ -45,7 +45,8 @@ def _ns_per_call(seconds: dict[str, float], calls: int) -> dict[str, float]:
     return {name: value / calls * 1e9 for name, value in seconds.items()}
 
 
-def _sequential_variant(adapter: Adapter, keys: Sequence[Hashable]) -> Variant:
+def sequential_variant(adapter: Adapter, keys: Sequence[Hashable]) -> Variant:
+    """``adapter``'s sequential calls of ``noop`` on ``keys``, reset before each timed run."""
     return Variant(adapter.name, lambda: adapter.sequential(keys, noop), adapter.reset)
 
 
@@ -58,7 +59,7 @@ async def uncontended(
     if one_key:
         shapes.append(("one key", [0] * calls))
     for label, keys in shapes:
-        variants = [_sequential_variant(a, keys) for a in adapters]
+        variants = [sequential_variant(a, keys) for a in adapters]
         seconds = await interleave(variants, repeats)
         tables.append(
             Table(

@@ -14,7 +14,9 @@ runs that each do one step more than the one before, with the signature of ``run
   a closed share) and at the turn's end (a turn that needs attention or was contended);
 * keyserial's ``run`` itself.
 
-The three built-up runs never queue: a busy key raises. They exist to be timed here.
+The three built-up runs never queue: a busy key raises. They exist to be timed here. Each
+writes its whole body out, as ``run`` does: a helper shared between them would add a frame
+to every call, and that frame would be timed too.
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ from typing import Any, ParamSpec, TypeVar
 from keyserial import KeyedSerialQueue
 from keyserial._loops import LoopShares, get_running_loop, task_of
 
+from .adapters import Adapter, Fn, SharedLock
 from .report import environment
-from .timing import Variant, interleave
+from .scenarios import sequential_variant
+from .timing import interleave
 
 T = TypeVar("T")
 P = ParamSpec("P")
-
-LOCK = "one asyncio.Lock"
 
 
 class KeyAlone:
@@ -67,7 +69,7 @@ class KeyAlone:
             holders.pop(key)
 
 
-class LoopsShare:
+class ThroughLoopShare:
     """``KeyAlone`` with the key table found through the loop's share, as ``run`` finds it."""
 
     __slots__ = ("_shares",)
@@ -102,8 +104,8 @@ class LoopsShare:
             holders.pop(key)
 
 
-class Checked:
-    """``LoopsShare`` with the checks ``run`` makes on an uncontended call."""
+class ThroughLoopShareChecked:
+    """``ThroughLoopShare`` with the checks ``run`` makes on an uncontended call."""
 
     __slots__ = ("_shares",)
 
@@ -149,52 +151,39 @@ class Checked:
 #: The keyed runs, in the order of their steps; the last is keyserial's.
 STEPS: dict[str, Callable[[], Any]] = {
     "the key alone": KeyAlone,
-    "+ the loop's share": LoopsShare,
-    "+ the checks": Checked,
+    "+ the loop's share": ThroughLoopShare,
+    "+ the checks": ThroughLoopShareChecked,
     "keyserial's run": KeyedSerialQueue,
 }
 
 
-async def _noop() -> None:
-    return None
+class Step(Adapter):
+    """One of the keyed runs above behind the benchmarks' adapter, reset to a new instance."""
 
+    def __init__(self, name: str, make: Callable[[], Any]) -> None:
+        self.name = name
+        self.make = make
+        self.reset()
 
-def _keyed_variant(name: str, make: Callable[[], Any], keys: Sequence[int]) -> Variant:
-    queue: list[Any] = [make()]
+    def reset(self) -> None:
+        self.queue = self.make()
 
-    async def run() -> None:
-        enqueue = queue[0].run
+    async def sequential(self, keys: Sequence[Hashable], fn: Fn) -> None:
+        enqueue = self.queue.run
         for key in keys:
-            await enqueue(key, _noop)
-
-    def reset() -> None:
-        queue[0] = make()
-
-    return Variant(name, run, reset)
-
-
-def _lock_variant(keys: Sequence[int]) -> Variant:
-    async def run() -> None:
-        lock = asyncio.Lock()
-        for _ in keys:
-            async with lock:
-                await _noop()
-
-    return Variant(LOCK, run)
+            await enqueue(key, fn)
 
 
 async def seconds_per_run(calls: int, repeats: int) -> dict[str, float]:
     """Seconds for ``calls`` sequential calls on distinct keys, per variant, paired by round."""
     keys = list(range(calls))
-    variants = [_lock_variant(keys)] + [
-        _keyed_variant(name, make, keys) for name, make in STEPS.items()
-    ]
-    return await interleave(variants, repeats)
+    adapters = [SharedLock(), *(Step(name, make) for name, make in STEPS.items())]
+    return await interleave([sequential_variant(a, keys) for a in adapters], repeats)
 
 
 def report(seconds: dict[str, float], calls: int, command: str) -> str:
     """The table of ns per call and each variant's ratio to the lock."""
-    lock = seconds[LOCK]
+    lock = seconds[SharedLock.name]
     lines = [
         f"Environment: {environment()}",
         "",
