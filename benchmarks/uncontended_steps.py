@@ -104,16 +104,10 @@ class ThroughLoopShare:
             holders.pop(key)
 
 
-class ThroughLoopShareChecked:
+class ThroughLoopShareChecked(ThroughLoopShare):
     """``ThroughLoopShare`` with the checks ``run`` makes on an uncontended call."""
 
-    __slots__ = ("_shares",)
-
-    def __init__(self) -> None:
-        self._shares = LoopShares(detect_deadlocks=True, count_calls=False)
-
-    def __len__(self) -> int:
-        return len(self._shares.cached.holders)
+    __slots__ = ()
 
     async def run(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
