@@ -10,8 +10,9 @@ runs that each do one step more than the one before, with the signature of ``run
 * the key alone: find the loop and the task, insert the key, call, pop the key;
 * the loop's share: the same, with the key table found through keyserial's own per-loop
   routing (``LoopShares``), as ``run`` finds it;
-* the checks: the same, with the checks ``run`` makes on the way (a call outside a task,
-  a closed share) and at the turn's end (a turn that needs attention or was contended);
+* the checks: the same, with the checks ``run`` makes on the way (a closed share, tested
+  where the share is found, and a call outside a task) and at the turn's end (a turn
+  that needs attention or was contended);
 * keyserial's ``run`` itself.
 
 The three built-up runs never queue: a busy key raises. They exist to be timed here. Each
@@ -87,7 +88,7 @@ class ThroughLoopShare:
         loop = share.thread_loop
         if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
             loop = get_running_loop()
-            if share.loop is not loop:
+            if share.open_loop is not loop:
                 share = self._shares.of(loop)
         task = task_of(loop)
         holders = share.holders
@@ -116,8 +117,10 @@ class ThroughLoopShareChecked(ThroughLoopShare):
         loop = share.thread_loop
         if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
             loop = get_running_loop()
-            if share.loop is not loop:
+            if share.open_loop is not loop:
                 share = self._shares.of(loop)
+                if share.closed:
+                    raise RuntimeError("closed")
         task = task_of(loop)
         if task is None:
             raise RuntimeError("not in a task")
@@ -125,8 +128,6 @@ class ThroughLoopShareChecked(ThroughLoopShare):
         holder = holders[key] if key in holders else None  # noqa: SIM401  # as run() reads it
         if holder is not None:
             raise RuntimeError(f"key {key!r} is busy: this run does not queue")
-        if share.closed:
-            raise RuntimeError("closed")
         holders[key] = task
         try:
             if kwargs:

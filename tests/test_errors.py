@@ -129,6 +129,54 @@ async def test_closed_queue_refuses_new_work_but_finishes_registered_work(
     assert len(queue) == 0
 
 
+@pytest.mark.parametrize("contended", [False, True], ids=["alone", "with a waiter"])
+async def test_a_turn_may_still_call_into_its_own_key_after_close(
+    run_in_turn: RunInTurn, contended: bool
+) -> None:
+    # A closed queue refuses new work, but a turn that re-enters its own key runs, as on an
+    # open queue: the call is part of work already registered.
+    queue = KeyedSerialQueue()
+    log: list[str] = []
+    waiters: list[asyncio.Task[None]] = []
+
+    async def note(name: str) -> None:
+        log.append(name)
+
+    async def outer() -> None:
+        if contended:
+            waiters.append(queue.submit("k", note, "behind"))
+        closing = asyncio.create_task(queue.aclose())
+        await settle()
+        assert queue.closed
+        await run_in_turn(queue, "k", note, "re-entry")
+        with pytest.raises(QueueClosed):
+            await run_in_turn(queue, "other", note, "refused")
+        log.append("outer end")
+        assert not closing.done()
+
+    await queue.run("k", outer)
+    await queue.join()
+    expected = ["re-entry", "outer end", "behind"] if contended else ["re-entry", "outer end"]
+    assert log == expected
+    assert all(waiter.done() for waiter in waiters)
+    assert len(queue) == 0
+
+
+async def test_a_closed_queue_names_a_bad_key_or_a_missing_task_before_it_refuses(
+    run_in_turn: RunInTurn,
+) -> None:
+    # The same errors, in the same order, as on an open queue: the caller's mistake first.
+    queue = KeyedSerialQueue()
+    await queue.aclose()
+    with pytest.raises(TypeError, match="must be hashable"):
+        await run_in_turn(queue, ["unhashable"], noop)
+    coro = run_in_turn(queue, "k", noop)
+    with pytest.raises(RuntimeError, match="inside an asyncio task"):
+        _drive_outside_task(coro)
+    with pytest.raises(QueueClosed):
+        await run_in_turn(queue, "k", noop)
+
+
 async def test_run_outside_a_task_is_a_clear_error(run_in_turn: RunInTurn) -> None:
     queue = KeyedSerialQueue()
     coro = run_in_turn(queue, "k", noop)

@@ -30,9 +30,16 @@ def _names_group(node: ast.expr) -> bool:
     return isinstance(node, ast.Name) and node.id == "group"
 
 
-class _WithoutGroup(ast.NodeTransformer):
-    """Drop ``group``, the one argument ``call`` passes on and ``run`` has not, and the test
-    ``group is not None`` that ``call`` adds to a condition."""
+def _is_none(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
+class _AsRun(ast.NodeTransformer):
+    """``call``'s body as ``run``'s: ``run`` has no ``timeout`` (it passes ``None`` where
+    ``call`` passes it, and has no test ``timeout is not None``) and no ``group``."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(None) if node.id == "timeout" else node
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
         self.generic_visit(node)
@@ -42,23 +49,24 @@ class _WithoutGroup(ast.NodeTransformer):
     def visit_BoolOp(self, node: ast.BoolOp) -> ast.AST:
         self.generic_visit(node)
         node.values = [
-            v for v in node.values if not (isinstance(v, ast.Compare) and _names_group(v.left))
+            v
+            for v in node.values
+            if not (isinstance(v, ast.Compare) and (_names_group(v.left) or _is_none(v.left)))
         ]
         return node
 
 
 def test_run_and_call_bodies_are_the_same_but_for_timeout_and_group() -> None:
     run, call = _body(KeyedSerialQueue.run), _body(KeyedSerialQueue.call)
-    # run has no timeout (``timeout = None``); call checks the one it was given.
-    assert ast.unparse(run[0]) == "timeout = None"
+    # call checks the timeout it was given first; run has none.
     assert ast.unparse(call[0]) == "if timeout is not None:\n    check_timeout(timeout)"
-    run_rest = [ast.dump(statement) for statement in run[1:]]
-    call_rest = [ast.dump(_WithoutGroup().visit(statement)) for statement in call[1:]]
-    assert run_rest == call_rest
+    run_all = [ast.dump(statement) for statement in run]
+    call_rest = [ast.dump(_AsRun().visit(statement)) for statement in call[1:]]
+    assert run_all == call_rest
 
 
 def test_the_check_sees_a_difference() -> None:
     changed = _body(KeyedSerialQueue.call)[1:]
     changed[-1] = ast.Pass()
-    run_rest = [ast.dump(statement) for statement in _body(KeyedSerialQueue.run)[1:]]
-    assert run_rest != [ast.dump(_WithoutGroup().visit(statement)) for statement in changed]
+    run_all = [ast.dump(statement) for statement in _body(KeyedSerialQueue.run)]
+    assert run_all != [ast.dump(_AsRun().visit(statement)) for statement in changed]

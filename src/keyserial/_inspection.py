@@ -150,7 +150,7 @@ class QueueShares:
 
             ```
         """
-        self._shares.of(running_loop()).closed = True
+        self._shares.close(running_loop())
         await self.join()
 
     def __repr__(self) -> str:

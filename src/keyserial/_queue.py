@@ -25,6 +25,7 @@ from ._waiting import register_waiting_code
 
 if TYPE_CHECKING:
     from ._observer import QueueObserver
+    from ._share import LoopShare
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -156,7 +157,6 @@ class KeyedSerialQueue(DetachedTurns):
 
             ```
         """
-        timeout = None
         share = self._shares.cached
         loop = share.thread_loop  # None but where the thread tells the loop (see LoopShares.of)
         if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
@@ -164,8 +164,10 @@ class KeyedSerialQueue(DetachedTurns):
                 loop = get_running_loop()
             except RuntimeError:
                 raise no_event_loop() from None
-            if share.loop is not loop:
+            if share.open_loop is not loop:  # another loop's share, or a closed one
                 share = self._shares.of(loop)
+                if share.closed:
+                    return await _on_closed_share(share, key, fn, args, kwargs)
         task = task_of(loop)
         if task is None:
             raise outside_task()
@@ -176,21 +178,17 @@ class KeyedSerialQueue(DetachedTurns):
         except Exception as exc:
             raise key_error(key, exc) from exc
         if holder is None:
-            if share.closed:
-                raise closed_error(key)
             holders[key] = task  # the uncontended path: one dict entry, nothing else
         else:
             if (  # anything but the commonest case goes to register(): see quick_waits
                 type(holder) is not KeyState
                 or not share.quick_waits
-                or share.closed
                 or holder.holder is task
                 or getattr(holder.holder, "_fut_waiter", True) is not None  # not running
                 or loop._task_factory is not None  # type: ignore[attr-defined]
                 or self._max_pending is not None
-                or timeout is not None
             ):
-                waiter = share.register(key, holder, task, timeout, self._max_pending)
+                waiter = share.register(key, holder, task, None, self._max_pending)
                 if waiter is None:  # re-entry: run inside the turn this task holds
                     return await fn(*args, **kwargs)
             else:  # queued as register() would, a frame fewer (no new local: 8 bytes each)
@@ -276,8 +274,10 @@ class KeyedSerialQueue(DetachedTurns):
                 loop = get_running_loop()
             except RuntimeError:
                 raise no_event_loop() from None
-            if share.loop is not loop:
+            if share.open_loop is not loop:  # another loop's share, or a closed one
                 share = self._shares.of(loop)
+                if share.closed:
+                    return await _on_closed_share(share, key, fn, args, kwargs)
         task = task_of(loop)
         if task is None:
             raise outside_task()
@@ -288,14 +288,11 @@ class KeyedSerialQueue(DetachedTurns):
         except Exception as exc:
             raise key_error(key, exc) from exc
         if holder is None:
-            if share.closed:
-                raise closed_error(key)
             holders[key] = task  # the uncontended path: one dict entry, nothing else
         else:
             if (  # anything but the commonest case goes to register(): see quick_waits
                 type(holder) is not KeyState
                 or not share.quick_waits
-                or share.closed
                 or holder.holder is task
                 or getattr(holder.holder, "_fut_waiter", True) is not None  # not running
                 or loop._task_factory is not None  # type: ignore[attr-defined]
@@ -341,6 +338,35 @@ class KeyedSerialQueue(DetachedTurns):
                 share.end_turn(key, held, task)
             elif held is not task:  # a contended turn: hand it on
                 share.release(key, held)  # type: ignore[arg-type]
+
+
+async def _on_closed_share(
+    share: LoopShare,
+    key: Hashable,
+    fn: Callable[..., Awaitable[T]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> T:
+    """A call that found its loop's share closed: it runs only inside its task's own turn.
+
+    A task holding ``key``'s turn may still call in it (a re-entry runs at once, as on an
+    open queue); any other call is refused. The errors come in ``run``'s order.
+
+    Raises:
+        RuntimeError: awaited outside an asyncio task.
+        TypeError: ``key`` is not hashable.
+        QueueClosed: the call is not a re-entry.
+    """
+    task = asyncio.current_task()
+    if task is None:
+        raise outside_task()
+    try:
+        held = share.holders.get(key)
+    except Exception as exc:
+        raise key_error(key, exc) from exc
+    if (held.holder if type(held) is KeyState else held) is not task:
+        raise closed_error(key)
+    return await fn(*args, **kwargs)
 
 
 _OBSERVED_QUEUE: list[type[KeyedSerialQueue]] = []

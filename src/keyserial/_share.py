@@ -72,6 +72,7 @@ class LoopShare:
         "idle_waiters",
         "loop",
         "new_future",
+        "open_loop",
         "quick_waits",
         "thread_loop",
     )
@@ -83,6 +84,7 @@ class LoopShare:
         count_calls: bool = False,
     ) -> None:
         self.loop = loop
+        self.open_loop = loop  # None once closed: see LoopShares.close
         self.clock = loop_clock(loop)
         # Whether the hand-off reads the loop's _closed and _task_factory itself.
         self.accessors_inline = has_asyncio_accessors(loop)
@@ -127,9 +129,7 @@ class LoopShare:
 
     def pending_of(self, key: Hashable) -> int:
         held = self.holders.get(key)
-        if held is None:
-            return 0
-        return held.pending if type(held) is KeyState else 1
+        return held.pending if type(held) is KeyState else int(held is not None)
 
     def fence_for(self, keys: Sequence[Hashable]) -> int | None:
         """The fence of the running turn holding ``keys`` (see ``FenceBook``)."""
