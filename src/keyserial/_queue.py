@@ -361,10 +361,10 @@ async def _on_closed_share(
     if task is None:
         raise outside_task()
     try:
-        held = share.holders.get(key)
+        holder = share.holder_of(key)
     except Exception as exc:
         raise key_error(key, exc) from exc
-    if (held.holder if type(held) is KeyState else held) is not task:
+    if holder is not task:
         raise closed_error(key)
     return await fn(*args, **kwargs)
 
