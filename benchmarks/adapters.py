@@ -171,6 +171,30 @@ class Keyserial(Adapter):
         return len(self.queue)
 
 
+class Step(Adapter):
+    """A keyed run of the step-by-step benchmarks (``queue.run(key, fn)``), made anew by ``make``
+    before every timed run."""
+
+    def __init__(self, name: str, make: Callable[[], Any]) -> None:
+        self.name = name
+        self.make = make
+        self.reset()
+
+    def reset(self) -> None:
+        self.queue = self.make()
+
+    async def sequential(self, keys: Sequence[Hashable], fn: Fn) -> None:
+        enqueue = self.queue.run
+        for key in keys:
+            await enqueue(key, fn)
+
+    def call(self, key: Hashable, fn: Fn) -> Coroutine[Any, Any, Any]:
+        return self.queue.run(key, fn)  # type: ignore[no-any-return]
+
+    def entries(self) -> int:
+        return len(self.queue)
+
+
 def all_adapters() -> list[Adapter]:
     return [
         Keyserial(),

@@ -14,7 +14,7 @@ import wrapt
 from keyserial import KeyedSerialQueue, serialized
 
 from . import loop_after_use
-from .adapters import Adapter, Keyserial
+from .adapters import Adapter, Fn, Keyserial
 from .timing import Variant, interleave
 
 
@@ -161,26 +161,9 @@ async def contended(
     ):
         for key_count in key_counts:
             keys = [i % key_count for i in range(calls)]
-
-            def gathered(adapter: Adapter, keys: list[int] = keys, fn: Any = fn) -> Variant:
-                async def run() -> None:
-                    await asyncio.gather(*(adapter.call(key, fn) for key in keys))
-
-                return Variant(adapter.name, run, adapter.reset)
-
-            def floor(keys: list[int] = keys, fn: Any = fn) -> Variant:
-                async def woken_twice() -> None:
-                    await asyncio.sleep(0)  # the hand-off's wake-up, and nothing else
-                    await fn()
-
-                async def run() -> None:
-                    await asyncio.gather(*(woken_twice() for _ in keys))
-
-                return Variant(FLOOR, run)
-
-            variants = [gathered(a) for a in adapters]
+            variants = [gathered_variant(a, keys, fn) for a in adapters]
             if fn is yield_once:
-                variants.append(floor())
+                variants.append(floor_variant(keys, fn))
             seconds = await interleave(variants, repeats)
             tables.append(
                 Table(
@@ -196,6 +179,28 @@ async def contended(
 #: The contended floor: a bare gather whose calls are each woken once more, as a call that
 #: waits for its turn must be.
 FLOOR = "bare await + one extra wake-up (floor)"
+
+
+def gathered_variant(adapter: Adapter, keys: Sequence[Hashable], fn: Fn) -> Variant:
+    """One call of ``fn`` per key in ``keys`` through ``adapter``, all gathered at once."""
+
+    async def run() -> None:
+        await asyncio.gather(*(adapter.call(key, fn) for key in keys))
+
+    return Variant(adapter.name, run, adapter.reset)
+
+
+def floor_variant(keys: Sequence[Hashable], fn: Fn) -> Variant:
+    """The contended floor: ``fn`` once per key, each call woken once more, all gathered."""
+
+    async def woken_twice() -> None:
+        await asyncio.sleep(0)  # the hand-off's wake-up, and nothing else
+        await fn()
+
+    async def run() -> None:
+        await asyncio.gather(*(woken_twice() for _ in keys))
+
+    return Variant(FLOOR, run)
 
 
 async def loop_served(calls: int, repeats: int) -> Table:

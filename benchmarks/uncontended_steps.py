@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 from _thread import get_ident
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, ParamSpec, TypeVar
 
 from keyserial import KeyedSerialQueue
 from keyserial._loops import LoopShares, get_running_loop, task_of
 
-from .adapters import Adapter, Fn, SharedLock
+from .adapters import SharedLock, Step
 from .report import environment
 from .scenarios import sequential_variant
 from .timing import interleave
@@ -150,23 +150,6 @@ STEPS: dict[str, Callable[[], Any]] = {
     "+ the checks": ThroughLoopShareChecked,
     "keyserial's run": KeyedSerialQueue,
 }
-
-
-class Step(Adapter):
-    """One of the keyed runs above behind the benchmarks' adapter, reset to a new instance."""
-
-    def __init__(self, name: str, make: Callable[[], Any]) -> None:
-        self.name = name
-        self.make = make
-        self.reset()
-
-    def reset(self) -> None:
-        self.queue = self.make()
-
-    async def sequential(self, keys: Sequence[Hashable], fn: Fn) -> None:
-        enqueue = self.queue.run
-        for key in keys:
-            await enqueue(key, fn)
 
 
 async def seconds_per_run(calls: int, repeats: int) -> dict[str, float]:
