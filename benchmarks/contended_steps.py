@@ -38,7 +38,7 @@ from keyserial import KeyedSerialQueue
 from keyserial._loops import get_running_loop, task_of
 
 from .adapters import Bare, Fn, Step
-from .report import environment
+from .report import step_table
 from .scenarios import FLOOR, floor_variant, gathered_variant, yield_once
 from .timing import interleave
 
@@ -224,20 +224,8 @@ async def seconds_per_gather(calls: int, keys: int, repeats: int) -> dict[str, f
 
 def report(seconds: dict[str, float], calls: int, keys: int, command: str) -> str:
     """The table of ns per call and each variant's ratio to the bare gather."""
-    bare = seconds[Bare.name]
-    lines = [
-        f"Environment: {environment()}",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"### Contended, step by step: {calls:,} calls gathered over {keys:,} keys, "
-        "each yields once",
-        "",
-        "| variant | ns/call | ÷ bare gather |",
-        "|---|---:|---:|",
-    ]
-    for name, value in seconds.items():
-        lines.append(f"| {name} | {value / calls * 1e9:,.0f} | {value / bare:.2f} |")
+    title = f"Contended, step by step: {calls:,} calls over {keys:,} keys, each yields once"
+    lines = step_table(title, seconds, calls, Bare.name, command)
     lines += [
         "",
         f"{FLOOR}: a bare gather whose calls are each woken once more, as any call that",

@@ -8,7 +8,7 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,26 @@ def environment() -> str:
         f"Python {platform.python_version()} ({platform.python_implementation()}), "
         f"{platform.system()} {platform.release()}, {processor}, {os.cpu_count()} CPUs"
     )
+
+
+def step_table(
+    title: str, seconds: Mapping[str, float], calls: int, baseline: str, command: str
+) -> list[str]:
+    """A step-by-step benchmark's report: ns per call and each variant's ratio to ``baseline``."""
+    base = seconds[baseline]
+    lines = [
+        f"Environment: {environment()}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"### {title}",
+        "",
+        f"| variant | ns/call | ÷ {baseline} |",
+        "|---|---:|---:|",
+    ]
+    for name, value in seconds.items():
+        lines.append(f"| {name} | {value / calls * 1e9:,.0f} | {value / base:.2f} |")
+    return lines
 
 
 def _format(value: float) -> str:

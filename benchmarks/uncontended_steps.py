@@ -32,7 +32,7 @@ from keyserial import KeyedSerialQueue
 from keyserial._loops import LoopShares, get_running_loop, task_of
 
 from .adapters import SharedLock, Step
-from .report import environment
+from .report import step_table
 from .scenarios import sequential_variant
 from .timing import interleave
 
@@ -161,20 +161,8 @@ async def seconds_per_run(calls: int, repeats: int) -> dict[str, float]:
 
 def report(seconds: dict[str, float], calls: int, command: str) -> str:
     """The table of ns per call and each variant's ratio to the lock."""
-    lock = seconds[SharedLock.name]
-    lines = [
-        f"Environment: {environment()}",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"### Uncontended, step by step: {calls:,} sequential calls, distinct keys",
-        "",
-        "| variant | ns/call | ÷ one asyncio.Lock |",
-        "|---|---:|---:|",
-    ]
-    for name, value in seconds.items():
-        lines.append(f"| {name} | {value / calls * 1e9:,.0f} | {value / lock:.2f} |")
-    return "\n".join(lines)
+    title = f"Uncontended, step by step: {calls:,} sequential calls, distinct keys"
+    return "\n".join(step_table(title, seconds, calls, SharedLock.name, command))
 
 
 def main() -> int:
