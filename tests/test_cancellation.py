@@ -184,9 +184,10 @@ async def test_external_cancel_wins_over_an_expired_timeout(run_in_turn: RunInTu
     queue, rec = KeyedSerialQueue(), Recorder()
     holder = asyncio.create_task(run_in_turn(queue, "k", rec.step, "holder"))
     await settle()
-    waiter = asyncio.create_task(queue.call("k", rec.step, ("w",), {}, timeout=0))
+    # The smallest wait that still waits (timeout=0 is a try, which never registers).
+    waiter = asyncio.create_task(queue.call("k", rec.step, ("w",), {}, timeout=1e-9))
     await asyncio.sleep(0)  # the waiter registers and its timer is armed
-    await asyncio.sleep(0)  # the zero timer fires: the waiter is woken as timed out
+    await asyncio.sleep(0)  # the timer fires: the waiter is woken as timed out
     waiter.cancel()  # ... and cancelled before it resumes
     with pytest.raises(asyncio.CancelledError):
         await waiter

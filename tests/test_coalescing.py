@@ -120,7 +120,9 @@ async def test_superseded_then_cancelled_and_timed_out_waiters_leave_no_trace() 
     a.cancel()  # superseded and cancelled before it resumes
     await settle()
     with pytest.raises(TimeoutError):
-        async with queue.lock("k", timeout=0, group="g"):  # supersedes b, then times out
+        # The smallest wait that still waits (timeout=0 would be a try, which supersedes
+        # nothing): its timer fires on the loop's next iteration.
+        async with queue.lock("k", timeout=1e-9, group="g"):  # supersedes b, then times out
             raise AssertionError("must not enter")
     with pytest.raises(Superseded):
         await b

@@ -157,15 +157,38 @@ async def test_two_levels_of_helpers() -> None:
     assert len(queue) == 0
 
 
-async def test_a_try_lock_that_would_close_a_cycle_is_a_deadlock_not_a_timeout() -> None:
-    # Chosen behaviour: a wait that closes a cycle is refused with DeadlockError whether or
-    # not it has a timeout; the timeout would only end the cycle later and less clearly.
-    async def try_lock(queue: KeyedSerialQueue) -> None:
-        async with queue.lock("k", timeout=0):
+async def test_a_try_lock_never_waits_so_it_times_out_instead_of_reporting_a_deadlock() -> None:
+    # timeout=0 never waits, so it closes no cycle: a held key is a TimeoutError at once,
+    # even when its holder awaits the trying task (as anyio's acquire_nowait raises
+    # WouldBlock). A wait with a positive timeout still reports the cycle.
+    queue = KeyedSerialQueue()
+    tried: list[str] = []
+
+    async def try_lock() -> None:
+        with pytest.raises(TimeoutError, match="timeout=0"):
+            async with queue.lock("k", timeout=0):
+                raise AssertionError("the child must not get the turn its parent holds")
+        with pytest.raises(TimeoutError, match="timeout=0"):
+            async with queue.lock_all(["k", "other"], timeout=0):
+                raise AssertionError("the child must not get the turn its parent holds")
+        with pytest.raises(TimeoutError, match="timeout=0"):
+            await queue.with_options(timeout=0).run("k", work)
+        tried.append("tried")
+
+    async def parent() -> None:
+        await asyncio.gather(try_lock())
+
+    await bounded(queue.run("k", parent))
+    assert tried == ["tried"]
+    assert len(queue) == 0
+    assert queue.stats().timed_out == 3
+
+    async def wait_a_little() -> None:
+        async with queue.lock("k", timeout=5):
             raise AssertionError("the child must not get the turn its parent holds")
 
     async def through_gather(queue: KeyedSerialQueue) -> None:
-        await asyncio.gather(try_lock(queue))
+        await asyncio.gather(wait_a_little())
 
     queue, _ = await holder_waiting_through(through_gather)
     assert len(queue) == 0

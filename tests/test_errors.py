@@ -32,7 +32,7 @@ async def test_unhashable_key_is_a_type_error_naming_the_key(run_in_turn: RunInT
 
 async def test_submit_rejects_non_callables() -> None:
     queue = KeyedSerialQueue()
-    with pytest.raises(TypeError, match="callable"):
+    with pytest.raises(TypeError, match="needs an async function to call, got 42"):
         queue.submit("k", 42)  # type: ignore[arg-type]
 
 

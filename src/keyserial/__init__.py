@@ -11,6 +11,7 @@ from ._default import default_queue
 from ._errors import DeadlockError, LeaseLost, QueueClosed, QueueFull, Superseded
 from ._fence import current_fence
 from ._observer import QueueObserver
+from ._options import MultiKeyWaitOptions, WaitOptions
 from ._protocols import KeyLock, MultiKeySerialQueue, SerialQueue
 from ._queue import KeyedSerialQueue
 from ._stats import QueueStats
@@ -21,12 +22,14 @@ __all__ = [
     "KeyedSerialQueue",
     "LeaseLost",
     "MultiKeySerialQueue",
+    "MultiKeyWaitOptions",
     "QueueClosed",
     "QueueFull",
     "QueueObserver",
     "QueueStats",
     "SerialQueue",
     "Superseded",
+    "WaitOptions",
     "current_fence",
     "default_queue",
     "serialized",

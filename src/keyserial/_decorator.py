@@ -13,10 +13,10 @@ import wrapt
 
 from ._default import default_queue
 from ._keys import (
-    ArgumentMismatch,
     FunctionKey,
     KeyExtractor,
     constant_key,
+    has_receiver,
     key_from_function,
     key_from_parameter,
     parameter_position,
@@ -132,7 +132,7 @@ def _make_extractor(
     if isinstance(key, str):
         return key_from_parameter(_underlying_function(fn), key, qualname, hashed)
     if callable(key):
-        return key_from_function(key, _underlying_function(fn), qualname, hashed)
+        return key_from_function(key, _underlying_function(fn), qualname, has_receiver(fn), hashed)
     raise TypeError(f"@serialized key must be a parameter name, a callable or None, got {key!r}")
 
 
@@ -186,8 +186,8 @@ def _serialize(
                     call_key = args[position]
                     try:
                         hash(call_key)
-                    except Exception as exc:
-                        raise unhashable_key(qualname, exc) from exc
+                    except TypeError as exc:
+                        raise unhashable_key(qualname, call_key, exc) from exc
                 else:
                     call_key = extract(None, args, kwargs)
                 return call(call_key, fn, args, kwargs, timeout, group)
@@ -217,14 +217,20 @@ def _serialize_multi(
     extract = _make_extractor(keys, fn, qualname, hashed=False)
 
     def keys_of(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Hashable]:
-        try:
-            call_keys: list[Hashable] = list(extract(instance, args, kwargs))
-            for call_key in call_keys:
+        # What the key function or parameter gives must be an iterable of hashable keys;
+        # an exception of the key function's own propagates as it is.
+        given = extract(instance, args, kwargs)
+        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+            raise TypeError(
+                f"{qualname}: keys= must give an iterable of keys (a list or a tuple), "
+                f"got {type(given).__name__} {given!r}"
+            )
+        call_keys: list[Hashable] = list(cast("Iterable[Hashable]", given))
+        for call_key in call_keys:
+            try:
                 hash(call_key)
-        except ArgumentMismatch:
-            raise
-        except Exception as exc:
-            raise TypeError(f"{qualname}: could not get hashable queue keys: {exc}") from exc
+            except TypeError as exc:
+                raise unhashable_key(qualname, call_key, exc) from exc
         return call_keys
 
     async def run_holding_all(
@@ -291,8 +297,14 @@ def serialized(
     Args:
         key: how to get a call's key: a parameter name (read from positional,
             keyword or default values; its position is found once, here); a
-            callable that receives exactly the call's arguments, ``self`` or
-            ``cls`` included; or ``None``, so that all calls share one key.
+            callable that receives the call's arguments as the caller wrote
+            them; or ``None``, so that all calls share one key. On a method
+            (a function whose first parameter is named ``self`` or ``cls``, or
+            a ``classmethod``) the callable does not receive the instance or
+            class, unless its own first parameter is named ``self`` or ``cls``:
+            ``key=lambda seg_id, *a, **k: seg_id`` keys by the segment, and
+            ``key=lambda self, seg_id, *a, **k: (self.tenant, seg_id)`` by
+            the instance's tenant too. A ``staticmethod`` receives its arguments.
         keys: instead of ``key``, how to get the several keys a call must hold
             at once (a parameter name or a callable, as for ``key``, giving an
             iterable of keys); see [KeyedSerialQueue.run_all][keyserial.KeyedSerialQueue.run_all].
@@ -307,10 +319,12 @@ def serialized(
     Raises:
         TypeError: at decoration, ``fn`` is not an ``async def`` function (a sync
             function or an async generator function), or ``key`` is of the
-            wrong type, or both ``key`` and ``keys`` are given. At call time,
-            the key could not be produced or is not
+            wrong type, or both ``key`` and ``keys`` are given, or the key
+            function cannot take the decorated function's arguments (the
+            message names both signatures). At call time, the key is not
             hashable (the message names the decorated function); nothing is
-            registered then.
+            registered then. An exception raised by the key function itself
+            propagates unchanged.
         ValueError: at decoration, ``key`` names no parameter of ``fn`` (or a
             ``*args``/``**kwargs`` one), or ``timeout`` is negative.
 
@@ -319,15 +333,22 @@ def serialized(
         >>> import asyncio
         >>> from keyserial import serialized
         >>> log: list[str] = []
-        >>> @serialized(key="seg_id")
+        >>> @serialized(key=lambda seg_id, *args, **kwargs: seg_id)
         ... async def save(seg_id: str, text: str) -> None:
         ...     await asyncio.sleep(0)
         ...     log.append(f"{seg_id}:{text}")
+        >>> class Transcripts:
+        ...     @serialized(key=lambda seg_id, *args, **kwargs: seg_id)
+        ...     async def finalize(self, seg_id: str, text: str) -> None:
+        ...         log.append(f"{seg_id}:final {text}")
         >>> async def main() -> None:
-        ...     await asyncio.gather(save("a", "partial"), save("a", "final"))
+        ...     await asyncio.gather(
+        ...         save("a", "partial"), save("a", "revised"),
+        ...         Transcripts().finalize(seg_id="a", text="done"),
+        ...     )
         >>> asyncio.run(main())
         >>> log
-        ['a:partial', 'a:final']
+        ['a:partial', 'a:revised', 'a:final done']
 
         ```
     """

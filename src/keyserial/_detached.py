@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
+from ._errors import check_function
 from ._locks import TurnLock
 from ._loops import running_loop
 from ._multikey import MultiKeyCalls, check_timeout
@@ -57,10 +58,19 @@ class DetachedTurns(MultiKeyCalls):
 
             ```
         """
-        if not callable(fn):
-            raise TypeError(f"submit() needs an async callable, got {fn!r}")
+        check_function(fn, "submit")
+        return self._submit(key, fn, args, kwargs, None)
+
+    def _submit(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+    ) -> asyncio.Task[T]:
         loop = running_loop()
-        return submit(self._shares.of(loop), key, fn, args, kwargs, self._max_pending)
+        return submit(self._shares.of(loop), key, fn, args, kwargs, self._max_pending, timeout)
 
     def lock(
         self, key: Hashable, timeout: float | None = None, group: Hashable | None = None

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Coroutine, Hashable, Sequence
+from inspect import isawaitable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class QueueClosed(RuntimeError):
@@ -138,3 +142,46 @@ def key_error(key: object, error: Exception) -> TypeError:
     return TypeError(
         f"keyserial keys must be hashable and comparable; {safe_repr(key)} raised {error!r}"
     )
+
+
+def check_function(fn: object, method: str) -> None:
+    """Refuse, before any turn is taken, an ``fn`` that cannot be called.
+
+    A coroutine object (``queue.run(key, save(1))``) is closed here, so that it leaves no
+    "never awaited" warning behind.
+
+    Raises:
+        TypeError: ``fn`` is not callable; the message says what to pass instead.
+    """
+    if callable(fn):
+        return
+    if isinstance(fn, Coroutine):
+        coroutine: Coroutine[Any, Any, Any] = fn  # pyright: ignore[reportUnknownVariableType]
+        name = getattr(coroutine, "__qualname__", type(coroutine).__name__)
+        coroutine.close()
+        raise TypeError(
+            f"{method}() takes the function and its arguments, not a coroutine: write "
+            f"{method}(key, {name}, arg, ...) instead of {method}(key, {name}(arg, ...))"
+        )
+    raise TypeError(f"{method}() needs an async function to call, got {safe_repr(fn)}")
+
+
+def not_awaitable(fn: object, result: object) -> TypeError:
+    """The error for a call whose ``fn`` returned something that cannot be awaited."""
+    name = getattr(fn, "__qualname__", None) or safe_repr(fn)
+    return TypeError(
+        f"{name} returned {type(result).__name__} {safe_repr(result)}, which cannot be awaited: "
+        "pass an async def function, or hold the turn around synchronous code with "
+        "'async with queue.lock(key): ...'"
+    )
+
+
+def awaitable_result(fn: object, result: T) -> T:
+    """``result``, once it is known to be awaitable.
+
+    Raises:
+        TypeError: ``result`` cannot be awaited (see ``not_awaitable``).
+    """
+    if not isawaitable(result):
+        raise not_awaitable(fn, result)
+    return result

@@ -18,10 +18,6 @@ KeyExtractor = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 _MISSING = object()
 
 
-class ArgumentMismatch(TypeError):
-    """A call whose arguments do not fit the decorated function: raised as Python would."""
-
-
 class FunctionKey:
     """A token of one decorated function: the key its calls share when ``key=None``,
     or the group its calls coalesce in when ``coalesce=True``."""
@@ -35,9 +31,11 @@ class FunctionKey:
         return f"<all calls of {self.qualname}>"
 
 
-def unhashable_key(qualname: str, error: Exception) -> TypeError:
-    """The error for a call whose key could not be computed or hashed."""
-    return TypeError(f"{qualname}: could not get a hashable queue key: {error}")
+def unhashable_key(qualname: str, key: object, error: Exception) -> TypeError:
+    """The error for a call whose key cannot be hashed."""
+    return TypeError(
+        f"{qualname}: its queue key must be hashable, got {type(key).__name__} {key!r} ({error})"
+    )
 
 
 def constant_key(key: Hashable) -> KeyExtractor:
@@ -47,33 +45,136 @@ def constant_key(key: Hashable) -> KeyExtractor:
     return extract
 
 
-def key_from_function(
-    key_fn: Callable[..., Any], func: Callable[..., Any], qualname: str, hashed: bool = True
-) -> KeyExtractor:
-    """Call ``key_fn`` with each call's arguments, once it is known to accept them.
+RECEIVER_NAMES = ("self", "cls")
+"""The first parameter names that make a decorated function a method, and that make a key
+function ask for the method's instance or class."""
 
-    With ``hashed=False`` (a collection of keys), what it returns is not hashed here.
+
+def has_receiver(fn: Any) -> bool:
+    """Whether ``fn``, as given to ``@serialized``, is called with an instance or class first.
+
+    A ``classmethod`` object is; a ``staticmethod`` object is not; a plain function is when
+    its first parameter is named ``self`` or ``cls``, as Python's convention names them (the
+    decorator may sit under ``@classmethod``, where it sees a plain function).
+    """
+    if isinstance(fn, classmethod):
+        return True
+    if isinstance(fn, staticmethod):
+        return False
+    return _first_parameter(fn) in RECEIVER_NAMES
+
+
+def _first_parameter(fn: Callable[..., Any]) -> str | None:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    for parameter in parameters:
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            return parameter.name
+        return None
+    return None
+
+
+def key_from_function(
+    key_fn: Callable[..., Any],
+    func: Callable[..., Any],
+    qualname: str,
+    receiver: bool,
+    hashed: bool = True,
+) -> KeyExtractor:
+    """Call ``key_fn`` with each call's arguments as the caller wrote them.
+
+    On a method (``receiver``), the instance or class is passed to ``key_fn`` only when
+    ``key_fn``'s own first parameter is named ``self`` or ``cls``. Whatever ``key_fn``
+    raises propagates as itself. With ``hashed=False`` (a collection of keys), what it
+    returns is not hashed here.
 
     Raises:
-        TypeError: ``key_fn`` cannot take the arguments ``func`` is called with.
+        TypeError: at decoration, ``key_fn`` cannot take the arguments ``func`` is called
+            with (the message names both signatures).
     """
-    check_arity(key_fn, func, qualname)
+    drop = receiver and _first_parameter(key_fn) not in RECEIVER_NAMES
+    check_arity(key_fn, func, qualname, drop)
 
     def extract(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # The call's positional arguments are ``args`` when ``instance`` is None (a plain
+        # function, or a method bound as Python binds one), else ``(instance, *args)``.
+        if drop:
+            given = args[1:] if instance is None else args
+        else:
+            given = args if instance is None else (instance, *args)
         try:
-            key = key_fn(*args, **kwargs) if instance is None else key_fn(instance, *args, **kwargs)
-            if hashed:
+            key = key_fn(*given, **kwargs)
+        except TypeError:
+            _raise_if_unbindable(key_fn, func, qualname, given, kwargs, drop)
+            raise  # the key function's own TypeError
+        if hashed:
+            try:
                 hash(key)
-        except Exception as exc:
-            raise unhashable_key(qualname, exc) from exc
+            except TypeError as exc:
+                raise unhashable_key(qualname, key, exc) from exc
         return key
 
     return extract
 
 
-def _sample_calls(func: Callable[..., Any]) -> list[tuple[list[str], dict[str, str]]]:
+def _raise_if_unbindable(
+    key_fn: Callable[..., Any],
+    func: Callable[..., Any],
+    qualname: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dropped_receiver: bool,
+) -> None:
+    """Raise the error naming both signatures if ``key_fn`` cannot take this call at all."""
+    try:
+        key_signature = inspect.signature(key_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        key_signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise _mismatch(key_fn, key_signature, func, qualname, exc, dropped_receiver) from None
+
+
+def _mismatch(
+    key_fn: Callable[..., Any],
+    key_signature: inspect.Signature,
+    func: Callable[..., Any],
+    qualname: str,
+    error: TypeError,
+    dropped_receiver: bool,
+) -> TypeError:
+    name = getattr(key_fn, "__qualname__", repr(key_fn))
+    rule = (
+        "on a method it receives the arguments after self or cls, unless its own first "
+        "parameter is named self or cls"
+        if dropped_receiver
+        else "it receives the call's arguments as the caller wrote them"
+    )
+    return TypeError(
+        f"@serialized on {qualname}: the key function {name}{key_signature} cannot take "
+        f"the arguments of {qualname}{inspect.signature(func)} ({error}); {rule}. Give it "
+        "the same parameters, or end it with *args, **kwargs"
+    )
+
+
+def _sample_calls(
+    func: Callable[..., Any], drop_first: bool
+) -> list[tuple[list[str], dict[str, str]]]:
     """The calls ``func`` accepts at both ends: every parameter given, and only required ones."""
-    parameters = inspect.signature(func).parameters.values()
+    parameters = list(inspect.signature(func).parameters.values())
+    if (
+        drop_first
+        and parameters
+        and parameters[0].kind
+        in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        )
+    ):
+        parameters = parameters[1:]
     full: tuple[list[str], dict[str, str]] = ([], {})
     required: tuple[list[str], dict[str, str]] = ([], {})
     for parameter in parameters:
@@ -89,7 +190,9 @@ def _sample_calls(func: Callable[..., Any]) -> list[tuple[list[str], dict[str, s
     return [full, required]
 
 
-def check_arity(key_fn: Callable[..., Any], func: Callable[..., Any], qualname: str) -> None:
+def check_arity(
+    key_fn: Callable[..., Any], func: Callable[..., Any], qualname: str, drop_receiver: bool
+) -> None:
     """Refuse, at decoration, a key function that cannot take the decorated function's calls.
 
     Raises:
@@ -97,19 +200,14 @@ def check_arity(key_fn: Callable[..., Any], func: Callable[..., Any], qualname: 
     """
     try:
         key_signature = inspect.signature(key_fn)
-        calls = _sample_calls(func)
+        calls = _sample_calls(func, drop_receiver)
     except (TypeError, ValueError):
         return  # a signature Python cannot read: nothing to check
     for args, kwargs in calls:
         try:
             key_signature.bind(*args, **kwargs)
         except TypeError as exc:
-            name = getattr(key_fn, "__qualname__", repr(key_fn))
-            raise TypeError(
-                f"@serialized on {qualname}: the key function {name}{key_signature} cannot "
-                f"take the arguments of {qualname}{inspect.signature(func)} ({exc}); give it "
-                "the same parameters, self or cls included for a method, or *args/**kwargs"
-            ) from None
+            raise _mismatch(key_fn, key_signature, func, qualname, exc, drop_receiver) from None
 
 
 def key_from_parameter(
@@ -138,15 +236,15 @@ def key_from_parameter(
         if hashed:
             try:
                 hash(key)
-            except Exception as exc:
-                raise unhashable_key(qualname, exc) from exc
+            except TypeError as exc:
+                raise unhashable_key(qualname, key, exc) from exc
         return key
 
     def _by_name(kwargs: dict[str, Any]) -> Any:
         if not positional_only and name in kwargs:
             return kwargs[name]
         if default is _MISSING:
-            raise ArgumentMismatch(f"{qualname}() missing required argument: {name!r}")
+            raise TypeError(f"{qualname}() missing required argument: {name!r}")
         return default
 
     return extract

@@ -17,12 +17,14 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, TypeVar, cast
 
+from ._errors import awaitable_result, closed_error, key_error
 from ._share import LoopShare
 
 V = TypeVar("V")
+T = TypeVar("T")
 
 TaskOf = Callable[[asyncio.AbstractEventLoop], "asyncio.Task[Any] | None"]
 
@@ -164,3 +166,32 @@ class LoopShares:
         except RuntimeError:
             return self.cached
         return self.of(loop)
+
+
+async def on_closed_share(
+    share: LoopShare,
+    key: Hashable,
+    fn: Callable[..., Awaitable[T]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> T:
+    """A call that found its loop's share closed: it runs only inside its task's own turn.
+
+    A task holding ``key``'s turn may still call in it (a re-entry runs at once, as on an
+    open queue); any other call is refused. The errors come in ``run``'s order.
+
+    Raises:
+        RuntimeError: awaited outside an asyncio task.
+        TypeError: ``key`` is not hashable.
+        QueueClosed: the call is not a re-entry.
+    """
+    task = asyncio.current_task()
+    if task is None:
+        raise outside_task()
+    try:
+        holder = share.holder_of(key)
+    except Exception as exc:
+        raise key_error(key, exc) from exc
+    if holder is not task:
+        raise closed_error(key)
+    return await awaitable_result(fn, fn(*args, **kwargs))

@@ -17,7 +17,14 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from ._deadlock import check_later, check_no_cycle, register_entry_code
-from ._errors import QueueClosed, QueueFull, key_error, safe_repr
+from ._errors import (
+    QueueClosed,
+    QueueFull,
+    awaitable_result,
+    check_function,
+    key_error,
+    safe_repr,
+)
 from ._fence import enter_lock_block, exit_lock_block, register_turn_code
 from ._inspection import QueueShares
 from ._loops import LoopShares
@@ -32,9 +39,16 @@ P = ParamSpec("P")
 
 
 def check_timeout(timeout: float | None) -> None:
-    """Refuse a negative (or NaN) timeout before anything is registered."""
-    if timeout is not None and not timeout >= 0:
-        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
+    """Refuse a bound on a wait that is not ``None`` or a number >= 0, before anything is
+    registered.
+
+    Raises:
+        ValueError: ``timeout`` is negative, NaN or not a number.
+    """
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
 
 
 def unique_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
@@ -79,6 +93,9 @@ def register_all(
             share.counts.rejected += 1
             raise QueueFull(key, max_pending)
     busy = tuple(key for key in needed if share.holder_of(key) is not None)
+    if timeout == 0 and busy:  # a try never waits, so it can close no cycle
+        share.counts.timed_out += 1
+        raise TimeoutError(f"the turns of keys {safe_repr(list(busy))} are held (timeout=0)")
     recheck = bool(busy) and share.detect_deadlocks and check_no_cycle(share, task, busy)
     loop: asyncio.AbstractEventLoop = share.loop  # type: ignore[assignment]
     turn = MultiTurn(new_multi_waiter(loop, share, busy), task)
@@ -258,11 +275,12 @@ class MultiKeyCalls(QueueShares):
 
             ```
         """
+        check_function(fn, "run_all")
         share, task = self._shares.running()
         registration = await acquire_all(share, task, keys, None, self._max_pending)
         error: BaseException | None = None
         try:
-            return await fn(*args, **kwargs)
+            return await awaitable_result(fn, fn(*args, **kwargs))
         except BaseException as exc:
             error = exc
             raise

@@ -1,9 +1,7 @@
 """The in-process keyed serial queue: the façade, and the hot path of ``run`` and ``call``.
 
-Everything a call does beyond the uncontended path lives in the modules it calls:
-registration and hand-off in ``_share``, several keys in ``_multikey``, ``lock`` and
-``submit`` in ``_detached``, loop routing in ``_loops``.
-"""
+The rest lives in the modules it calls: registration and hand-off in ``_share``, several
+keys in ``_multikey``, ``lock`` and ``submit`` in ``_detached``, loops in ``_loops``."""
 
 from __future__ import annotations
 
@@ -11,26 +9,29 @@ import asyncio
 from _thread import get_ident
 from asyncio import Future
 from collections.abc import Awaitable, Callable, Hashable, Mapping
+from inspect import isawaitable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ._deadlock import register_entry_code
 from ._detached import DetachedTurns
-from ._errors import closed_error, key_error
+from ._errors import awaitable_result, check_function, key_error, not_awaitable
 from ._fence import register_turn_code
-from ._loops import get_running_loop, no_event_loop, outside_task, task_of
+from ._loops import get_running_loop, no_event_loop, on_closed_share, outside_task, task_of
 from ._multikey import check_timeout
+from ._options import MultiKeyWaitOptions
 from ._records import KeyState
 from ._submit import Submission
 from ._waiting import register_waiting_code
 
 if TYPE_CHECKING:
     from ._observer import QueueObserver
-    from ._share import LoopShare
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
 Task = asyncio.Task[Any]
+
+UNCALLED: Any = object()  # fn was not called: nothing it returned to blame
 
 
 class KeyedSerialQueue(DetachedTurns):
@@ -60,8 +61,8 @@ class KeyedSerialQueue(DetachedTurns):
             [DeadlockError][keyserial.DeadlockError] instead of hanging. Only waiting calls pay.
         count_calls: count every turn, so that
             [stats][keyserial.KeyedSerialQueue.stats] reports ``started`` and
-            ``completed``. Off by default: the count would make every
-            uncontended call about 8% dearer. Failures, cancellations, timeouts,
+            ``completed``. Off by default: the count makes every uncontended
+            call dearer (see docs/performance.md). Failures, cancellations, timeouts,
             rejections and supersessions are counted either way.
         observer: a [QueueObserver][keyserial.QueueObserver] told of every call's registration,
             start (with time waited) and finish (with time run and outcome).
@@ -114,9 +115,8 @@ class KeyedSerialQueue(DetachedTurns):
         observer: QueueObserver | None = None,
         slow_turn: float | None = None,
     ) -> None:
-        if max_pending is not None and (
-            isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1
-        ):
+        bad = isinstance(max_pending, bool) or not isinstance(max_pending, (int, type(None)))
+        if bad or (max_pending is not None and max_pending < 1):
             raise ValueError(f"max_pending must be None or an int >= 1, got {max_pending!r}")
         super().__init__(max_pending, detect_deadlocks, count_calls)
 
@@ -125,11 +125,31 @@ class KeyedSerialQueue(DetachedTurns):
         """The per-key bound on running plus waiting calls, or ``None``."""
         return self._max_pending
 
-    # -- running calls --------------------------------------------------------------------
-    #
+    def with_options(self, *, timeout: float | None = None) -> MultiKeyWaitOptions:
+        """This queue's ``run``, ``submit``, ``lock``, ``run_all`` and ``lock_all``, each with
+        ``timeout`` bounding the wait for the turn (``0``: try once, never wait); keyword
+        arguments still go to the function. See [WaitOptions][keyserial.WaitOptions].
+
+        Raises:
+            ValueError: ``timeout`` is negative or not a number.
+
+        Example:
+            ```pycon
+            >>> import asyncio
+            >>> from keyserial import KeyedSerialQueue
+            >>> async def save(seg_id: str, *, text: str) -> str:
+            ...     return f"{seg_id}:{text}"
+            >>> timed = KeyedSerialQueue().with_options(timeout=5)
+            >>> asyncio.run(timed.run("s1", save, "s1", text="hi"))
+            's1:hi'
+
+            ```
+        """
+        return MultiKeyWaitOptions(self, self._submit, timeout)
+
     # run() and call() share one body, written out twice because their signatures differ
-    # and each path must avoid a second coroutine: an extra frame per call costs about
-    # 50 ns and, while waiting, about 200 bytes. Keep the two bodies identical.
+    # and a second coroutine per call costs time and, while waiting, memory (measured in
+    # benchmarks/). Keep the two bodies identical: tests/test_twins.py checks it.
 
     async def run(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
@@ -157,6 +177,8 @@ class KeyedSerialQueue(DetachedTurns):
 
             ```
         """
+        if not callable(fn):
+            check_function(fn, "run")
         share = self._shares.cached
         loop = share.thread_loop  # None but where the thread tells the loop (see LoopShares.of)
         if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
@@ -167,7 +189,7 @@ class KeyedSerialQueue(DetachedTurns):
             if share.open_loop is not loop:  # another loop's share, or a closed one
                 share = self._shares.of(loop)
                 if share.closed:
-                    return await _on_closed_share(share, key, fn, args, kwargs)
+                    return await on_closed_share(share, key, fn, args, kwargs)
         task = task_of(loop)
         if task is None:
             raise outside_task()
@@ -190,8 +212,8 @@ class KeyedSerialQueue(DetachedTurns):
             ):
                 waiter = share.register(key, holder, task, None, self._max_pending)
                 if waiter is None:  # re-entry: run inside the turn this task holds
-                    return await fn(*args, **kwargs)
-            else:  # queued as register() would, a frame fewer (no new local: 8 bytes each)
+                    return await awaitable_result(fn, fn(*args, **kwargs))
+            else:  # queued as register() would, a frame fewer (no new local)
                 waiter = share.new_future()
                 holder.pending += 1
                 holder.waiters.append(waiter)
@@ -206,16 +228,21 @@ class KeyedSerialQueue(DetachedTurns):
                 state.holder, state.since = task, share.clock()
             else:
                 share.take_turn(key, waiter, task)
+        result: Any = UNCALLED  # what fn returned, for the error if it cannot be awaited
         try:
             if kwargs:
-                return await fn(*args, **kwargs)
-            if args:
-                return await fn(*args)  # type: ignore[call-arg]  # kwargs is empty; unpacking it costs
-            # A plain call makes fn's coroutine in this interpreter loop; an unpacking one goes
-            # through the C call protocol (callgrind, 3.12: about 70 instructions a call more).
-            return await fn()  # type: ignore[call-arg]  # args and kwargs are empty
+                result = fn(*args, **kwargs)
+            elif args:
+                result = fn(*args)  # type: ignore[call-arg]  # kwargs is empty; unpacking it costs
+            else:
+                # A plain call makes fn's coroutine in this interpreter loop; an unpacking
+                # one goes through the C call protocol.
+                result = fn()  # type: ignore[call-arg]  # args and kwargs are empty
+            return await result  # type: ignore[no-any-return]
         except BaseException as exc:
             share.counts.failure(exc)
+            if type(exc) is TypeError and result is not UNCALLED and not isawaitable(result):
+                raise not_awaitable(fn, result) from None
             raise
         finally:
             try:
@@ -267,6 +294,8 @@ class KeyedSerialQueue(DetachedTurns):
         """
         if timeout is not None:
             check_timeout(timeout)
+        if not callable(fn):
+            check_function(fn, "run")  # call is run with more options: its error says run
         share = self._shares.cached
         loop = share.thread_loop  # None but where the thread tells the loop (see LoopShares.of)
         if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
@@ -277,7 +306,7 @@ class KeyedSerialQueue(DetachedTurns):
             if share.open_loop is not loop:  # another loop's share, or a closed one
                 share = self._shares.of(loop)
                 if share.closed:
-                    return await _on_closed_share(share, key, fn, args, kwargs)
+                    return await on_closed_share(share, key, fn, args, kwargs)
         task = task_of(loop)
         if task is None:
             raise outside_task()
@@ -302,8 +331,8 @@ class KeyedSerialQueue(DetachedTurns):
             ):
                 waiter = share.register(key, holder, task, timeout, self._max_pending, group)
                 if waiter is None:  # re-entry: run inside the turn this task holds
-                    return await fn(*args, **kwargs)
-            else:  # queued as register() would, a frame fewer (no new local: 8 bytes each)
+                    return await awaitable_result(fn, fn(*args, **kwargs))
+            else:  # queued as register() would, a frame fewer (no new local)
                 waiter = share.new_future()
                 holder.pending += 1
                 holder.waiters.append(waiter)
@@ -318,16 +347,21 @@ class KeyedSerialQueue(DetachedTurns):
                 state.holder, state.since = task, share.clock()
             else:
                 share.take_turn(key, waiter, task)
+        result: Any = UNCALLED  # what fn returned, for the error if it cannot be awaited
         try:
             if kwargs:
-                return await fn(*args, **kwargs)
-            if args:
-                return await fn(*args)  # kwargs is empty: unpacking it costs measurably here
-            # A plain call makes fn's coroutine in this interpreter loop; an unpacking one goes
-            # through the C call protocol (callgrind, 3.12: about 70 instructions a call more).
-            return await fn()
+                result = fn(*args, **kwargs)
+            elif args:
+                result = fn(*args)  # kwargs is empty: unpacking it costs
+            else:
+                # A plain call makes fn's coroutine in this interpreter loop; an unpacking
+                # one goes through the C call protocol.
+                result = fn()
+            return await result  # type: ignore[no-any-return]
         except BaseException as exc:
             share.counts.failure(exc)
+            if type(exc) is TypeError and result is not UNCALLED and not isawaitable(result):
+                raise not_awaitable(fn, result) from None
             raise
         finally:
             try:
@@ -338,35 +372,6 @@ class KeyedSerialQueue(DetachedTurns):
                 share.end_turn(key, held, task)
             elif held is not task:  # a contended turn: hand it on
                 share.release(key, held)  # type: ignore[arg-type]
-
-
-async def _on_closed_share(
-    share: LoopShare,
-    key: Hashable,
-    fn: Callable[..., Awaitable[T]],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> T:
-    """A call that found its loop's share closed: it runs only inside its task's own turn.
-
-    A task holding ``key``'s turn may still call in it (a re-entry runs at once, as on an
-    open queue); any other call is refused. The errors come in ``run``'s order.
-
-    Raises:
-        RuntimeError: awaited outside an asyncio task.
-        TypeError: ``key`` is not hashable.
-        QueueClosed: the call is not a re-entry.
-    """
-    task = asyncio.current_task()
-    if task is None:
-        raise outside_task()
-    try:
-        holder = share.holder_of(key)
-    except Exception as exc:
-        raise key_error(key, exc) from exc
-    if holder is not task:
-        raise closed_error(key)
-    return await fn(*args, **kwargs)
 
 
 _OBSERVED_QUEUE: list[type[KeyedSerialQueue]] = []

@@ -188,6 +188,11 @@ class LoopShare:
             return None
         if self.closed:
             raise closed_error(key)
+        if timeout == 0 and holder is not None:
+            # A try never waits, so it can close no cycle: it fails as a busy key, even
+            # when the holder awaits the caller (as anyio's acquire_nowait does).
+            self.counts.timed_out += 1
+            raise TimeoutError(f"the turn of key {safe_repr(key)} is held (timeout=0 never waits)")
         replaced = None
         if max_pending is not None or group is not None:
             replaced = self.admit(key, held, max_pending, group)

@@ -8,7 +8,7 @@ from types import CoroutineType
 from typing import Any, TypeVar, cast
 
 from ._deadlock import check_later, check_no_cycle
-from ._errors import DeadlockError, closed_error, key_error
+from ._errors import DeadlockError, awaitable_result, closed_error, key_error
 from ._records import GRANTED, NEW_TASK, KeyState, Wait, new_waiter
 from ._share import LoopShare
 
@@ -46,7 +46,7 @@ class Submission:
         await share.await_turn(key, waiter, task)
         error: BaseException | None = None
         try:
-            return await fn(*args, **kwargs)
+            return await awaitable_result(fn, fn(*args, **kwargs))
         except BaseException as exc:
             error = exc
             raise
@@ -71,8 +71,12 @@ def submit(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     max_pending: int | None,
+    timeout: float | None = None,
 ) -> asyncio.Task[T]:
-    """Register a call of ``fn`` on ``key`` now, and start a task that runs it in its turn."""
+    """Register a call of ``fn`` on ``key`` now, and start a task that runs it in its turn.
+
+    ``timeout`` bounds the task's wait for the turn.
+    """
     loop: asyncio.AbstractEventLoop = share.loop  # type: ignore[assignment]
     if share.closed:
         raise closed_error(key)
@@ -86,7 +90,7 @@ def submit(
         waiter: Wait | None = new_waiter(loop, share, key, None, share.clock())
         waiter.set_result(True)  # type: ignore[union-attr]
     else:
-        waiter = share.register(key, holder, NEW_TASK, None, max_pending)
+        waiter = share.register(key, holder, NEW_TASK, timeout, max_pending)
     assert waiter is not None  # a task that does not exist yet holds nothing
     submission = Submission(share, key, waiter)
     coroutine = cast("CoroutineType[Any, Any, T]", submission.execute(fn, args, kwargs))  # pyright: ignore[reportUnnecessaryCast]  # mypy sees a Coroutine

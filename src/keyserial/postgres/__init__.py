@@ -1,6 +1,6 @@
 """A keyed serial queue on PostgreSQL: the turn and the function's writes commit together.
 
-Extra: ``pip install ".[postgres]"`` (psycopg 3 and psycopg_pool). See
+Extra: ``pip install "keyserial[postgres]"`` (psycopg 3 and psycopg_pool). See
 [PostgresKeyedQueue][keyserial.postgres.PostgresKeyedQueue].
 
 The modules: ``_queue`` (the queue), ``_turns`` (a turn as a transaction holding advisory
@@ -8,6 +8,9 @@ locks), ``_turn`` (the turn record and the session keeper), ``_lock`` (lock bloc
 ``_connection`` (``connection()``), ``_ids`` (keys to advisory-lock ids).
 """
 
+from .._extras import require_extra
+
+require_extra("keyserial.postgres", "postgres", "psycopg", "psycopg_pool")
 from ._connection import connection
 from ._ids import lock_id
 from ._queue import MIN_LEASE as MIN_LEASE

@@ -11,7 +11,10 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
+from .._errors import awaitable_result, check_function
 from .._fence import register_turn_code
+from .._multikey import check_timeout
+from .._options import MultiKeyWaitOptions
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
 from .._stats import QueueStats
@@ -137,7 +140,7 @@ class PostgresKeyedQueue:
         task: Task = asyncio.current_task()  # type: ignore[assignment]
         turn, keeper = await self._turns.enter(task, keys, deadline)
         try:
-            result = await fn(*args, **kwargs)
+            result = await awaitable_result(fn, fn(*args, **kwargs))
         except BaseException as exc:
             await self._turns.leave(task, turn, keeper, failed=True)
             if isinstance(exc, psycopg.OperationalError) and turn.connection.broken:
@@ -163,6 +166,7 @@ class PostgresKeyedQueue:
             DeadlockError: PostgreSQL broke a cycle of turns waiting for each other.
             QueueClosed, QueueFull: as for [KeyedSerialQueue][keyserial.KeyedSerialQueue].
         """
+        check_function(fn, "run")
         return self.call(key, fn, args, kwargs)
 
     async def call(
@@ -197,8 +201,31 @@ class PostgresKeyedQueue:
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> asyncio.Task[T]:
         """Start ``run`` as a new task, registered in this process before returning."""
+        check_function(fn, "submit")
+        return self._submit(key, fn, args, kwargs, None)
+
+    def _submit(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+    ) -> asyncio.Task[T]:
         keys = (self._id(key),)
-        return self._local.submit(keys[0], self._turn, keys, fn, args, kwargs, None)
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        local = self._local.with_options(timeout=timeout)
+        return local.submit(keys[0], self._turn, keys, fn, args, kwargs, deadline)
+
+    def with_options(self, *, timeout: float | None = None) -> MultiKeyWaitOptions:
+        """This queue's ``run``, ``submit``, ``lock``, ``run_all`` and ``lock_all``, each with
+        ``timeout`` bounding the wait for the turn, in this process and in the database
+        together (``0``: try, never wait). See [WaitOptions][keyserial.WaitOptions].
+
+        Raises:
+            ValueError: ``timeout`` is negative or not a number.
+        """
+        return MultiKeyWaitOptions(self, self._submit, timeout)
 
     async def run_all(
         self,
@@ -219,16 +246,23 @@ class PostgresKeyedQueue:
             TypeError, PostgresUnavailable, DeadlockError, QueueClosed, QueueFull: as for
                 ``run``.
         """
+        check_function(fn, "run_all")
         ids = tuple(dict.fromkeys(self._id(key) for key in keys))
         return await self._local.run_all(ids, self._turn, ids, fn, args, kwargs, None)
 
     def lock(self, key: Hashable, timeout: float | None = None) -> KeyLock:
-        """Hold ``key``'s turn, and its transaction, for the body of an ``async with`` block."""
+        """Hold ``key``'s turn, and its transaction, for the body of an ``async with`` block.
+
+        ``timeout`` bounds the wait, as in
+        [with_options][keyserial.postgres.PostgresKeyedQueue.with_options].
+        """
+        check_timeout(timeout)
         keys = (self._id(key),)
         return PostgresLock(self._turns, self._local.lock(keys[0], timeout), keys, timeout)
 
     def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
         """Hold the turns of all ``keys`` in one transaction for an ``async with`` block."""
+        check_timeout(timeout)
         ids = tuple(dict.fromkeys(self._id(key) for key in keys))
         return PostgresLock(self._turns, self._local.lock_all(ids, timeout), ids, timeout)
 

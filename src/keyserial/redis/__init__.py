@@ -9,6 +9,9 @@ blocks), ``_names`` (key encoding and ACLs), ``_scripts`` (the Lua scripts) and
 ``_transport`` (script calls on connections of the client's pool).
 """
 
+from .._extras import require_extra
+
+require_extra("keyserial.redis", "redis", "redis")
 from ._names import MAX_ENCODED_KEY as MAX_ENCODED_KEY
 from ._names import MAX_KEY_DEPTH as MAX_KEY_DEPTH
 from ._names import acl_rules, encode_key

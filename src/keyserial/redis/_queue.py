@@ -10,8 +10,10 @@ from typing import Any, ParamSpec, TypeVar
 import redis.asyncio as redis_asyncio
 
 from .._cancels import cancel_count, withdraw_cancel
-from .._errors import LeaseLost
+from .._errors import LeaseLost, awaitable_result, check_function
 from .._fence import register_turn_code
+from .._multikey import check_timeout
+from .._options import WaitOptions
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
 from ._lease import Turn
@@ -129,11 +131,11 @@ class RedisKeyedQueue:
         turns = self._turns
         turn = turns.held.get((task, encoded))
         if turn is not None:  # re-entry: the outer turn holds the key
-            return await fn(*args, **kwargs)
+            return await awaitable_result(fn, fn(*args, **kwargs))
         turn, keeper = await turns.take(encoded, deadline, task)
         before = cancel_count(task)
         try:
-            result = await fn(*args, **kwargs)
+            result = await awaitable_result(fn, fn(*args, **kwargs))
         except asyncio.CancelledError:
             if turn.lost and withdraw_cancel(task, before):  # the keeper's own cancellation
                 raise LeaseLost(encoded, turn.fence) from None
@@ -157,6 +159,7 @@ class RedisKeyedQueue:
                 paused or Redis lost its data); a later turn may have overlapped.
             QueueClosed, QueueFull: as for [KeyedSerialQueue][keyserial.KeyedSerialQueue].
         """
+        check_function(fn, "run")
         return self.call(key, fn, args, kwargs)
 
     async def call(
@@ -190,11 +193,40 @@ class RedisKeyedQueue:
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> asyncio.Task[T]:
         """Start ``run`` as a new task, registered in this process before returning."""
+        check_function(fn, "submit")
+        return self._submit(key, fn, args, kwargs, None)
+
+    def _submit(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+    ) -> asyncio.Task[T]:
         encoded = encode_key(key)
-        return self._local.submit(encoded, self._turn, encoded, fn, args, kwargs, None)
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        local = self._local.with_options(timeout=timeout)
+        return local.submit(encoded, self._turn, encoded, fn, args, kwargs, deadline)
+
+    def with_options(self, *, timeout: float | None = None) -> WaitOptions:
+        """This queue's ``run``, ``submit`` and ``lock``, each with ``timeout`` bounding the
+        wait for the turn, in this process and in Redis together (``0``: try, never wait).
+
+        See [WaitOptions][keyserial.WaitOptions].
+
+        Raises:
+            ValueError: ``timeout`` is negative or not a number.
+        """
+        return WaitOptions(self, self._submit, timeout)
 
     def lock(self, key: Hashable, timeout: float | None = None) -> KeyLock:
-        """Hold ``key``'s turn for the body of an ``async with`` block."""
+        """Hold ``key``'s turn for the body of an ``async with`` block.
+
+        ``timeout`` bounds the wait for the turn, as in
+        [with_options][keyserial.redis.RedisKeyedQueue.with_options].
+        """
+        check_timeout(timeout)
         encoded = encode_key(key)
         return RedisLock(self._turns, self._local.lock(encoded, timeout), encoded, timeout)
 

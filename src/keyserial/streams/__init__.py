@@ -9,6 +9,9 @@ ownership of one partition: takeover, reads, per-key handling, acks), ``_assignm
 handlers and ``stats()`` see).
 """
 
+from .._extras import require_extra
+
+require_extra("keyserial.streams", "redis", "redis")
 from ._message import DeadLetter, StreamMessage, StreamStats
 from ._redis_source import RedisStreamSource, acl_rules
 from ._source import Entry, PartitionLost, StreamSource
