@@ -183,15 +183,16 @@ async def test_a_try_lock_never_waits_so_it_times_out_instead_of_reporting_a_dea
     assert len(queue) == 0
     assert queue.stats().timed_out == 3
 
-    async def wait_a_little() -> None:
-        async with queue.lock("k", timeout=5):
+    async def wait_a_little(other: KeyedSerialQueue) -> None:
+        async with other.lock("k", timeout=5):
             raise AssertionError("the child must not get the turn its parent holds")
 
-    async def through_gather(queue: KeyedSerialQueue) -> None:
-        await asyncio.gather(wait_a_little())
+    async def through_gather(other: KeyedSerialQueue) -> None:
+        await asyncio.gather(wait_a_little(other))
 
-    queue, _ = await holder_waiting_through(through_gather)
-    assert len(queue) == 0
+    other, error = await holder_waiting_through(through_gather)
+    assert error.keys == ["k"]
+    assert len(other) == 0
 
 
 async def test_the_error_names_the_functions_involved() -> None:

@@ -10,7 +10,7 @@ import gc
 import subprocess
 import sys
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -171,7 +171,7 @@ async def test_a_key_function_whose_names_differ_fails_a_keyword_call_naming_bot
 
 
 @contextmanager
-def no_runtime_warning() -> Iterator[None]:
+def no_runtime_warning() -> Generator[None, None, None]:
     """Fail if a coroutine is left never awaited (the warning comes when it is collected)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -189,7 +189,7 @@ def plain_save(seg_id: str) -> str:
 
 
 @asynccontextmanager
-async def in_process(clients: Clients, pools: Pools) -> AsyncIterator[list[Any]]:
+async def in_process(clients: Clients, pools: Pools) -> AsyncGenerator[list[Any], None]:
     """One queue of each backend."""
     redis_queue = RedisKeyedQueue(clients(), namespace="usage", lease=5.0)
     postgres_queue = PostgresKeyedQueue(await pools(), namespace="usage")
@@ -297,11 +297,12 @@ async def test_a_try_never_reports_a_deadlock_and_leaves_the_queue_as_it_was() -
     async def child() -> None:
         # The parent holds "k" and awaits this task: a wait would close a cycle, a try
         # does not wait.
-        for attempt in (
+        attempts: list[Callable[[], Any]] = [
             lambda: queue.lock("k", timeout=0),
             lambda: queue.lock_all(["k", "free"], timeout=0),
             lambda: queue.with_options(timeout=0).lock("k"),
-        ):
+        ]
+        for attempt in attempts:
             try:
                 async with attempt():
                     outcomes.append("entered")
@@ -359,44 +360,48 @@ async def test_every_way_of_taking_a_turn_takes_the_same_timeout_and_leaves_the_
 ) -> None:
     async with in_process(clients, pools) as queues:
         for queue in queues:
-            started: list[str] = []
+            await _check_timeouts(queue)
 
-            async def work(name: str, *, note: str = "") -> str:
-                started.append(name + note)
-                return name
 
-            timed = queue.with_options(timeout=0.05)
-            release, held = asyncio.Event(), asyncio.Event()
+async def _check_timeouts(queue: Any) -> None:
+    started: list[str] = []
 
-            async def hold() -> None:
-                async with queue.lock("k"):
-                    held.set()
-                    await release.wait()
+    async def work(name: str, *, note: str = "") -> str:
+        started.append(name + note)
+        return name
 
-            holder = asyncio.create_task(hold())
-            await held.wait()
-            waits: list[Callable[[], Awaitable[Any]]] = [
-                lambda: timed.run("k", work, "run", note="!"),
-                lambda: timed.submit("k", work, "submit"),
-                lambda: _enter(timed.lock("k")),
-            ]
-            if hasattr(timed, "run_all"):
-                waits += [
-                    lambda: timed.run_all(["k", "j"], work, "run_all"),
-                    lambda: _enter(timed.lock_all(["k", "j"])),
-                ]
-            for wait in waits:
-                with pytest.raises(TimeoutError):
-                    await wait()
-            release.set()
-            await holder
-            assert started == []
-            # Keyword arguments still reach the function, and the key is free again.
-            assert await timed.run("k", work, "after", note="!") == "after"
-            assert started == ["after!"]
-            assert len(getattr(queue, "_local", queue)) == 0
-            with pytest.raises(ValueError, match="timeout must be None or a number"):
-                queue.with_options(timeout=-1)
+    timed = queue.with_options(timeout=0.05)
+    release, held = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        async with queue.lock("k"):
+            held.set()
+            await release.wait()
+
+    holder = asyncio.create_task(hold())
+    await held.wait()
+    waits: list[Callable[[], Awaitable[Any]]] = [
+        lambda: timed.run("k", work, "run", note="!"),
+        lambda: timed.submit("k", work, "submit"),
+        lambda: _enter(timed.lock("k")),
+    ]
+    if hasattr(timed, "run_all"):
+        waits += [
+            lambda: timed.run_all(["k", "j"], work, "run_all"),
+            lambda: _enter(timed.lock_all(["k", "j"])),
+        ]
+    for wait in waits:
+        with pytest.raises(TimeoutError):
+            await wait()
+    release.set()
+    await holder
+    assert started == []
+    # Keyword arguments still reach the function, and the key is free again.
+    assert await timed.run("k", work, "after", note="!") == "after"
+    assert started == ["after!"]
+    assert len(getattr(queue, "_local", queue)) == 0
+    with pytest.raises(ValueError, match="timeout must be None or a number"):
+        queue.with_options(timeout=-1)
 
 
 async def _enter(lock: Any) -> None:
@@ -415,3 +420,12 @@ async def test_the_decorator_takes_the_same_timeout() -> None:
         with pytest.raises(TimeoutError):
             await asyncio.create_task(try_once("k"))
     assert await try_once("k") == "k"
+
+
+async def test_the_queues_public_methods_are_defined_on_its_own_class() -> None:
+    # Type checkers name the class a method is defined on ('"run_all" of "KeyedSerialQueue"'):
+    # a private base class would show up in users' error messages. CI also checks mypy's
+    # and pyright's messages from outside the checkout.
+    public = [name for name in dir(KeyedSerialQueue) if not name.startswith("_")]
+    assert public and [name for name in public if name not in vars(KeyedSerialQueue)] == []
+    assert [base.__name__ for base in KeyedSerialQueue.__mro__] == ["KeyedSerialQueue", "object"]

@@ -11,24 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from contextvars import Token
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from ._deadlock import check_later, check_no_cycle, register_entry_code
+from ._deadlock import check_later, check_no_cycle
 from ._errors import (
     QueueClosed,
     QueueFull,
-    awaitable_result,
-    check_function,
     key_error,
     safe_repr,
 )
-from ._fence import enter_lock_block, exit_lock_block, register_turn_code
-from ._inspection import QueueShares
+from ._fence import enter_lock_block, exit_lock_block
 from ._loops import LoopShares
-from ._protocols import KeyLock
 from ._reach import block_entered, block_left, register_holding_code
 from ._records import KeyState, MultiRegistration, MultiTurn, expire, new_multi_waiter
 from ._share import LoopShare
@@ -236,91 +232,4 @@ class TurnsLock:
             leave_all(share, registration, task)
 
 
-class MultiKeyCalls(QueueShares):
-    """The multi-key calls of ``KeyedSerialQueue``: ``run_all`` and ``lock_all``."""
-
-    __slots__ = ()
-
-    async def run_all(
-        self,
-        keys: Iterable[Hashable],
-        fn: Callable[P, Awaitable[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> T:
-        """Run ``await fn(*args, **kwargs)`` once it holds the turns of all ``keys``.
-
-        The call registers in every key's queue in one step, so multi-key calls
-        that name the same keys in different orders cannot deadlock each other,
-        and single-key calls on any of the keys keep their order with it.
-        Duplicate keys count once. Keys that the calling task already holds
-        (inside their turns) are not waited for.
-
-        Raises:
-            ValueError: ``keys`` is empty.
-            TypeError: ``keys`` is a string, or one of them is not hashable.
-            DeadlockError: waiting would close a cycle of tasks waiting on each other.
-            QueueClosed, QueueFull, RuntimeError: as for
-                [run][keyserial.KeyedSerialQueue.run] (for any of the keys).
-
-        Example:
-            ```pycon
-            >>> import asyncio
-            >>> from keyserial import KeyedSerialQueue
-            >>> async def merge(src: str, dst: str) -> str:
-            ...     return f"{src} -> {dst}"
-            >>> asyncio.run(KeyedSerialQueue().run_all(["a", "b"], merge, "a", "b"))
-            'a -> b'
-
-            ```
-        """
-        check_function(fn, "run_all")
-        share, task = self._shares.running()
-        registration = await acquire_all(share, task, keys, None, self._max_pending)
-        error: BaseException | None = None
-        try:
-            return await awaitable_result(fn, fn(*args, **kwargs))
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            share.counts.end(error)
-            leave_all(share, registration, task)
-
-    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
-        """Hold the turns of all ``keys`` for the body of an ``async with`` block.
-
-        As [run_all][keyserial.KeyedSerialQueue.run_all]; ``timeout`` bounds only the wait for
-        the turns.
-
-        Raises:
-            TimeoutError: the turns did not all come within ``timeout`` seconds.
-            ValueError: ``keys`` is empty, or ``timeout`` is negative.
-            TypeError, DeadlockError, QueueClosed, QueueFull: as for
-                [run_all][keyserial.KeyedSerialQueue.run_all].
-
-        Example:
-            ```pycon
-            >>> import asyncio
-            >>> from keyserial import KeyedSerialQueue
-            >>> async def main() -> list[bool]:
-            ...     queue = KeyedSerialQueue()
-            ...     async with queue.lock_all(["a", "b"]):
-            ...         return [queue.locked("a"), queue.locked("b")]
-            >>> asyncio.run(main())
-            [True, True]
-
-            ```
-        """
-        check_timeout(timeout)
-        return TurnsLock(self._shares, keys, timeout, self._max_pending)
-
-
-def _multi_key_fence(frame: Mapping[str, Any]) -> int | None:
-    return frame["share"].fence_for(frame["registration"].keys)  # type: ignore[no-any-return]
-
-
-register_turn_code(MultiKeyCalls.run_all.__code__, _multi_key_fence)
-register_entry_code(MultiKeyCalls.run_all.__code__)
 register_holding_code(acquire_all.__code__)

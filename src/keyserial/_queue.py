@@ -1,26 +1,37 @@
-"""The in-process keyed serial queue: the façade, and the hot path of ``run`` and ``call``.
+"""The in-process keyed serial queue, in one class: its public methods and the hot path.
 
-The rest lives in the modules it calls: registration and hand-off in ``_share``, several
-keys in ``_multikey``, ``lock`` and ``submit`` in ``_detached``, loops in ``_loops``."""
+The work behind them lives in the modules they call: registration and hand-off in
+``_share``, several keys in ``_multikey``, ``lock`` blocks in ``_locks``, ``submit`` in
+``_submit``, loop routing in ``_loops``, wait options in ``_options``."""
 
 from __future__ import annotations
 
 import asyncio
 from _thread import get_ident
 from asyncio import Future
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
 from inspect import isawaitable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ._deadlock import register_entry_code
-from ._detached import DetachedTurns
 from ._errors import awaitable_result, check_function, key_error, not_awaitable
 from ._fence import register_turn_code
-from ._loops import get_running_loop, no_event_loop, on_closed_share, outside_task, task_of
-from ._multikey import check_timeout
+from ._locks import TurnLock
+from ._loops import (
+    LoopShares,
+    get_running_loop,
+    no_event_loop,
+    on_closed_share,
+    outside_task,
+    running_loop,
+    task_of,
+)
+from ._multikey import TurnsLock, acquire_all, check_timeout, leave_all
 from ._options import MultiKeyWaitOptions
+from ._protocols import KeyLock
 from ._records import KeyState
-from ._submit import Submission
+from ._stats import QueueStats, snapshot
+from ._submit import Submission, submit
 from ._waiting import register_waiting_code
 
 if TYPE_CHECKING:
@@ -34,7 +45,7 @@ Task = asyncio.Task[Any]
 UNCALLED: Any = object()  # fn was not called: nothing it returned to blame
 
 
-class KeyedSerialQueue(DetachedTurns):
+class KeyedSerialQueue:
     """Run async calls one at a time per key, in registration order; different keys concurrently.
 
     Guarantees:
@@ -90,7 +101,7 @@ class KeyedSerialQueue(DetachedTurns):
         ```
     """
 
-    __slots__ = ()
+    __slots__ = ("_max_pending", "_shares")
 
     def __new__(
         cls,
@@ -118,7 +129,8 @@ class KeyedSerialQueue(DetachedTurns):
         bad = isinstance(max_pending, bool) or not isinstance(max_pending, (int, type(None)))
         if bad or (max_pending is not None and max_pending < 1):
             raise ValueError(f"max_pending must be None or an int >= 1, got {max_pending!r}")
-        super().__init__(max_pending, detect_deadlocks, count_calls)
+        self._max_pending = max_pending
+        self._shares = LoopShares(detect_deadlocks, count_calls)
 
     @property
     def max_pending(self) -> int | None:
@@ -146,6 +158,299 @@ class KeyedSerialQueue(DetachedTurns):
             ```
         """
         return MultiKeyWaitOptions(self, self._submit, timeout)
+
+    # -- inspecting and closing ----------------------------------------------------------
+
+    def pending(self, key: Hashable) -> int:
+        """Running plus waiting calls for ``key`` in the running loop's share (0 if unknown).
+
+        Example:
+            ```pycon
+            >>> from keyserial import KeyedSerialQueue
+            >>> KeyedSerialQueue().pending("nobody")
+            0
+
+            ```
+        """
+        try:
+            return self._shares.inspected().pending_of(key)
+        except Exception as exc:
+            raise key_error(key, exc) from exc
+
+    def locked(self, key: Hashable) -> bool:
+        """Whether ``key``'s turn is currently held (granted to a call).
+
+        Example:
+            ```pycon
+            >>> from keyserial import KeyedSerialQueue
+            >>> KeyedSerialQueue().locked("nobody")
+            False
+
+            ```
+        """
+        try:
+            return self._shares.inspected().holder_of(key) is not None
+        except Exception as exc:
+            raise key_error(key, exc) from exc
+
+    def stats(self) -> QueueStats:
+        """An immutable snapshot of the running loop's share: current load and cumulative counts.
+
+        Counts are of turns (a re-entrant call runs inside its caller's turn and
+        is not counted). ``started`` and ``completed`` are ``None`` unless the
+        queue was made with ``count_calls=True``; the other counts are always
+        kept. ``longest_wait`` is exact. ``longest_running`` is exact
+        for turns handed over from a waiting call; a turn that began while no
+        one waited is timed from when the first call queued behind it — how long
+        it has been keeping others waiting — unless the queue has an observer or
+        a ``slow_turn`` threshold, which time every turn.
+
+        Example:
+            ```pycon
+            >>> from keyserial import KeyedSerialQueue
+            >>> KeyedSerialQueue().stats().waiting
+            0
+            >>> print(KeyedSerialQueue().stats().started)
+            None
+            >>> KeyedSerialQueue(count_calls=True).stats().started
+            0
+
+            ```
+        """
+        share = self._shares.inspected()
+        now = share.loop.time() if share.loop is not None else 0.0
+        return snapshot(share.holders, share.counts, now)
+
+    def __len__(self) -> int:
+        """Number of keys with registered work in the running loop's share."""
+        return len(self._shares.inspected().holders)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` has registered work in the running loop's share."""
+        try:
+            return key in self._shares.inspected().holders
+        except Exception:
+            return False  # a key that cannot be hashed or compared has no work registered
+
+    @property
+    def closed(self) -> bool:
+        """Whether [aclose][keyserial.KeyedSerialQueue.aclose] was called (for the running loop)."""
+        return self._shares.inspected().closed
+
+    async def join(self) -> None:
+        """Wait until no work is registered; work registered while waiting is waited for too.
+
+        Example:
+            ```pycon
+            >>> import asyncio
+            >>> from keyserial import KeyedSerialQueue
+            >>> async def main() -> int:
+            ...     queue = KeyedSerialQueue()
+            ...     async def work() -> None:
+            ...         await asyncio.sleep(0)
+            ...     queue.submit("k", work)
+            ...     await queue.join()
+            ...     return len(queue)
+            >>> asyncio.run(main())
+            0
+
+            ```
+        """
+        loop = running_loop()
+        share = self._shares.of(loop)
+        if not share.holders:
+            return
+        idle: asyncio.Future[None] = loop.create_future()
+        share.idle_waiters.append(idle)
+        share.attention = True
+        try:
+            await idle
+        except BaseException:
+            share.forget_idle_waiter(idle)  # cancelled or timed out: leave nothing behind
+            raise
+
+    async def aclose(self) -> None:
+        """Refuse new work with [QueueClosed][keyserial.QueueClosed], then wait for registered work.
+
+        Closing applies to the running event loop's share of the queue. Calls
+        already registered, and re-entrant calls made inside their turns, still run.
+
+        Example:
+            ```pycon
+            >>> import asyncio
+            >>> from keyserial import KeyedSerialQueue
+            >>> async def main() -> bool:
+            ...     queue = KeyedSerialQueue()
+            ...     await queue.aclose()
+            ...     return queue.closed
+            >>> asyncio.run(main())
+            True
+
+            ```
+        """
+        self._shares.close(running_loop())
+        await self.join()
+
+    def __repr__(self) -> str:
+        share = self._shares.inspected()
+        state = "closed" if share.closed else "open"
+        keys = len(share.holders)
+        return f"<KeyedSerialQueue {state} keys={keys} max_pending={self._max_pending}>"
+
+    # -- several keys, blocks and tasks of their own ----------------------------------------
+
+    async def run_all(
+        self,
+        keys: Iterable[Hashable],
+        fn: Callable[P, Awaitable[T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """Run ``await fn(*args, **kwargs)`` once it holds the turns of all ``keys``.
+
+        The call registers in every key's queue in one step, so multi-key calls
+        that name the same keys in different orders cannot deadlock each other,
+        and single-key calls on any of the keys keep their order with it.
+        Duplicate keys count once. Keys that the calling task already holds
+        (inside their turns) are not waited for.
+
+        Raises:
+            ValueError: ``keys`` is empty.
+            TypeError: ``keys`` is a string, or one of them is not hashable.
+            DeadlockError: waiting would close a cycle of tasks waiting on each other.
+            QueueClosed, QueueFull, RuntimeError: as for
+                [run][keyserial.KeyedSerialQueue.run] (for any of the keys).
+
+        Example:
+            ```pycon
+            >>> import asyncio
+            >>> from keyserial import KeyedSerialQueue
+            >>> async def merge(src: str, dst: str) -> str:
+            ...     return f"{src} -> {dst}"
+            >>> asyncio.run(KeyedSerialQueue().run_all(["a", "b"], merge, "a", "b"))
+            'a -> b'
+
+            ```
+        """
+        check_function(fn, "run_all")
+        share, task = self._shares.running()
+        registration = await acquire_all(share, task, keys, None, self._max_pending)
+        error: BaseException | None = None
+        try:
+            return await awaitable_result(fn, fn(*args, **kwargs))
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            share.counts.end(error)
+            leave_all(share, registration, task)
+
+    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
+        """Hold the turns of all ``keys`` for the body of an ``async with`` block.
+
+        As [run_all][keyserial.KeyedSerialQueue.run_all]; ``timeout`` bounds only the wait for
+        the turns.
+
+        Raises:
+            TimeoutError: the turns did not all come within ``timeout`` seconds.
+            ValueError: ``keys`` is empty, or ``timeout`` is negative.
+            TypeError, DeadlockError, QueueClosed, QueueFull: as for
+                [run_all][keyserial.KeyedSerialQueue.run_all].
+
+        Example:
+            ```pycon
+            >>> import asyncio
+            >>> from keyserial import KeyedSerialQueue
+            >>> async def main() -> list[bool]:
+            ...     queue = KeyedSerialQueue()
+            ...     async with queue.lock_all(["a", "b"]):
+            ...         return [queue.locked("a"), queue.locked("b")]
+            >>> asyncio.run(main())
+            [True, True]
+
+            ```
+        """
+        check_timeout(timeout)
+        return TurnsLock(self._shares, keys, timeout, self._max_pending)
+
+    def submit(
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> asyncio.Task[T]:
+        """Start ``fn(*args, **kwargs)`` in ``key``'s turn as a new task; it is registered at once.
+
+        The new task is a different task from the caller, so it queues even
+        when the caller holds ``key`` (awaiting it from inside that turn would
+        deadlock). Cancelling the task before its turn withdraws it without a
+        trace; cancelling it during its turn passes the turn on when ``fn`` exits.
+
+        Raises:
+            QueueClosed: the queue is closed (for the running event loop).
+            QueueFull: ``key`` already has ``max_pending`` pending calls.
+            TypeError: ``key`` is not hashable or ``fn`` is not callable.
+            RuntimeError: no event loop is running.
+
+        Example:
+            ```pycon
+            >>> import asyncio
+            >>> from keyserial import KeyedSerialQueue
+            >>> async def main() -> list[int]:
+            ...     queue = KeyedSerialQueue()
+            ...     async def echo(i: int) -> int:
+            ...         return i
+            ...     tasks = [queue.submit("k", echo, i) for i in range(3)]
+            ...     return list(await asyncio.gather(*tasks))
+            >>> asyncio.run(main())
+            [0, 1, 2]
+
+            ```
+        """
+        check_function(fn, "submit")
+        return self._submit(key, fn, args, kwargs, None)
+
+    def _submit(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+    ) -> asyncio.Task[T]:
+        loop = running_loop()
+        return submit(self._shares.of(loop), key, fn, args, kwargs, self._max_pending, timeout)
+
+    def lock(
+        self, key: Hashable, timeout: float | None = None, group: Hashable | None = None
+    ) -> KeyLock:
+        """Hold ``key``'s turn for the body of an ``async with`` block.
+
+        The block registers when it is entered. ``timeout`` bounds only the
+        wait for the turn; entering from the task that already holds ``key``
+        does not wait and does not release the outer turn on exit. ``group``
+        coalesces as for [call][keyserial.KeyedSerialQueue.call].
+
+        Raises:
+            TimeoutError: the turn did not come within ``timeout`` seconds.
+            Superseded: a newer block of the same ``group`` replaced this one.
+            QueueClosed, QueueFull, TypeError, RuntimeError: as for
+                [run][keyserial.KeyedSerialQueue.run].
+            ValueError: ``timeout`` is negative.
+
+        Example:
+            ```pycon
+            >>> import asyncio
+            >>> from keyserial import KeyedSerialQueue
+            >>> async def main() -> bool:
+            ...     queue = KeyedSerialQueue()
+            ...     async with queue.lock("seg-1", timeout=5):
+            ...         return queue.locked("seg-1")
+            >>> asyncio.run(main())
+            True
+
+            ```
+        """
+        check_timeout(timeout)
+        return TurnLock(self._shares, key, timeout, group, self._max_pending)
 
     # run() and call() share one body, written out twice because their signatures differ
     # and a second coroutine per call costs time and, while waiting, memory (measured in
@@ -385,6 +690,10 @@ def register_observed_queue(cls: type[KeyedSerialQueue]) -> None:
     _OBSERVED_QUEUE[:] = [cls]
 
 
+def _multi_key_fence(frame: Mapping[str, Any]) -> int | None:
+    return frame["share"].fence_for(frame["registration"].keys)  # type: ignore[no-any-return]
+
+
 def _single_key_fence(frame: Mapping[str, Any]) -> int | None:
     return frame["share"].fence_for((frame["key"],))  # type: ignore[no-any-return]
 
@@ -396,5 +705,7 @@ for _code in (KeyedSerialQueue.run.__code__, KeyedSerialQueue.call.__code__):
     register_turn_code(_code, _single_key_fence)
     register_entry_code(_code)
     register_waiting_code(_code, share_local="share")
+register_turn_code(KeyedSerialQueue.run_all.__code__, _multi_key_fence)
+register_entry_code(KeyedSerialQueue.run_all.__code__)
 register_turn_code(Submission.execute.__code__, _single_key_fence)
 register_entry_code(Submission.execute.__code__)
