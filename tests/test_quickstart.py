@@ -1,0 +1,49 @@
+"""The quick start in README.md and docs/quickstart.md is examples/quickstart.py, and runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+TYPED_KEYS = ROOT / "examples" / "typed_keys.py"
+
+
+def python_blocks(page: Path) -> list[str]:
+    """The ```python code blocks of a Markdown page, as their text."""
+    blocks, current = [], None
+    for line in page.read_text().splitlines(keepends=True):
+        if current is None and line.strip() == "```python":
+            current = []
+        elif current is not None and line.strip() == "```":
+            blocks.append("".join(current))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/quickstart.md"])
+def test_the_page_shows_the_quick_start_as_it_runs(page: str) -> None:
+    assert QUICKSTART.read_text() in python_blocks(ROOT / page)
+
+
+def test_the_quick_start_page_shows_the_typed_keys_example() -> None:
+    assert TYPED_KEYS.read_text() in python_blocks(ROOT / "docs" / "quickstart.md")
+
+
+def test_the_quick_start_prints_each_segment_in_call_order() -> None:
+    result = subprocess.run(
+        [sys.executable, str(QUICKSTART)], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.splitlines() == [
+        "seg-1: partial",
+        "seg-2: partial",
+        "seg-1: revision",
+        "seg-1: final done",
+    ]
+    assert "seg-1: final done" in (ROOT / "README.md").read_text()
