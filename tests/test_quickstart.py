@@ -15,7 +15,8 @@ TYPED_KEYS = ROOT / "examples" / "typed_keys.py"
 
 def python_blocks(page: Path) -> list[str]:
     """The ```python code blocks of a Markdown page, as their text."""
-    blocks, current = [], None
+    blocks: list[str] = []
+    current: list[str] | None = None
     for line in page.read_text().splitlines(keepends=True):
         if current is None and line.strip() == "```python":
             current = []

@@ -12,14 +12,19 @@ Task = asyncio.Task[Any]
 
 
 class Turn:
-    """A turn held in Redis: its key's base name, ticket and fence, and whether it was lost."""
+    """A turn held in Redis: its key's base name, ticket and fence, and whether it was lost.
 
-    __slots__ = ("base", "fence", "lost", "ticket")
+    ``asked`` is the loop's time just before the request that led to the grant was sent:
+    Redis started the lease no earlier, so ``asked + lease`` never overstates it.
+    """
 
-    def __init__(self, base: str, ticket: str, fence: int) -> None:
+    __slots__ = ("asked", "base", "fence", "lost", "ticket")
+
+    def __init__(self, base: str, ticket: str, fence: int, asked: float) -> None:
         self.base = base
         self.ticket = ticket
         self.fence = fence
+        self.asked = asked
         self.lost = False
 
 
@@ -53,22 +58,45 @@ class LeaseKeeper:
         self.lease = lease
         self.renew = renew
         self.loop = asyncio.get_running_loop()
-        self.expires = self.loop.time() + lease
+        # Measured from before the request was sent, never from its reply: a process paused
+        # between the two would otherwise believe in a lease that already ran out.
+        self.expires = turn.asked + lease
         self.renewal: Task | None = None
         self.stopped = False
-        self.timer = self.loop.call_later(lease / 3, self._due)
+        # A turn granted after a long wait may have little of its lease left by this
+        # measure: renew it at once then, instead of a third of a lease later.
+        fresh = self.expires - self.loop.time() >= lease * 2 / 3
+        self.timer = self.loop.call_later(lease / 3 if fresh else 0, self._due)
 
     def expired(self) -> bool:
         """Whether the lease may have run out: no renewal was confirmed within it."""
         return self.loop.time() >= self.expires
+
+    def holds(self) -> bool:
+        """Whether the turn surely still holds its lease, judged locally (no round trip)."""
+        return not self.turn.lost and not self.stopped and not self.expired()
+
+    async def renew_now(self) -> bool:
+        """Renew the lease now and wait for the answer; whether it is held (locally too)."""
+        asked = self.loop.time()
+        try:
+            renewed = await self.renew(self.turn, asked + self.lease)
+        except (RedisUnavailable, TimeoutError):
+            return self.holds()
+        if renewed:
+            self.expires = max(self.expires, asked + self.lease)
+        return bool(renewed) and self.holds()
 
     def _due(self) -> None:
         self.renewal = self.loop.create_task(self._renew())
 
     async def _renew(self) -> None:
         asked = self.loop.time()
+        # Bounded by the lease's end, or, for a lease measured as nearly over at its start
+        # (granted after a long wait; see __init__), by a third of a lease from now.
+        until = max(self.expires, asked + self.lease / 3)
         try:
-            renewed: bool | None = await self.renew(self.turn, self.expires)
+            renewed: bool | None = await self.renew(self.turn, until)
         except (RedisUnavailable, TimeoutError):
             renewed = None  # not confirmed: the lease may still hold
         if self.stopped:

@@ -46,6 +46,20 @@ class RedisLock:
         self._fence_token: Token[Any] | None = None
         self._cancels_before = 0  # the task's pending cancellations when the turn began
 
+    def holds(self) -> bool:
+        """Whether this block surely still holds its Redis turn's lease (judged locally)."""
+        keeper = self._keeper
+        return keeper is not None and keeper.holds()
+
+    async def confirm(self) -> bool:
+        """Renew the lease now if it may be short, and say whether the block holds it."""
+        keeper = self._keeper
+        if keeper is None:
+            return False
+        if keeper.expires - asyncio.get_running_loop().time() >= keeper.lease * 2 / 3:
+            return keeper.holds()
+        return await keeper.renew_now()
+
     @property
     def fence(self) -> int | None:
         """The fence of the Redis turn this block holds (None outside the block, or re-entered)."""

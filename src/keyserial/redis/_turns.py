@@ -158,6 +158,7 @@ class RedisTurns:
         base = self.base(encoded)
         while True:  # once more each time Redis lost the ticket (a restart)
             ticket = listener.new_ticket()
+            asked = asyncio.get_running_loop().time()  # the lease starts no earlier than this
             try:
                 reply = text(
                     await self.script(
@@ -165,7 +166,7 @@ class RedisTurns:
                     )
                 )
                 if reply and reply != "-":
-                    return Turn(base, ticket, int(reply))
+                    return Turn(base, ticket, int(reply), asked)
                 fence = await self._wait(listener, base, ticket, deadline)
             except BaseException:
                 # Leave the queue, passing the turn on if it came meanwhile: in the
@@ -176,7 +177,7 @@ class RedisTurns:
             finally:
                 listener.forget(ticket)
             if fence is not None:
-                return Turn(base, ticket, fence)
+                return Turn(base, ticket, fence, asked)
 
     async def _wait(
         self, listener: GrantListener, base: str, ticket: str, deadline: float | None
@@ -247,6 +248,10 @@ class RedisTurns:
                 )
             elif not release.result():
                 lost = True  # Redis no longer had it as the holder: the lease ran out
+            else:
+                # Redis still had it as the holder, so the lease never ran out, whatever
+                # the keeper's cautious measure says (a turn granted after a long wait).
+                lost = turn.lost
         return lost
 
     async def close(self) -> None:

@@ -71,8 +71,9 @@ class StreamCounts:
 class StreamStats:
     """A snapshot of one consumer: what it owns, runs and has done.
 
-    ``lag`` is, per owned partition, how many of its messages no consumer had read when
-    it last acknowledged; ``in_flight`` the messages read but not yet acknowledged or
+    ``lag`` is, per owned partition, how many of its messages no consumer has been handed
+    yet (the consumer group's lag), read from the broker about every second while the
+    partition is owned here; ``in_flight`` the messages read but not yet acknowledged or
     dead-lettered here; ``retries`` the attempts made again after a failure.
 
     Example:

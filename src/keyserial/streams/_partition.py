@@ -19,7 +19,7 @@ from typing import Any
 from .._queue import KeyedSerialQueue
 from ._message import StreamCounts, StreamMessage
 from ._redeliveries import Redeliveries
-from ._source import Entry, StreamSource
+from ._source import Entry, PartitionLost, StreamSource
 
 Handler = Callable[[StreamMessage], Awaitable[Any]]
 
@@ -29,6 +29,12 @@ logger = logging.getLogger("keyserial.streams")
 READ_BATCH = 256
 #: How long an idle owner waits for new messages before it asks again.
 IDLE_WAIT = 1.0
+#: How often an owner asks the broker how many of its partition's messages are unread.
+LAG_INTERVAL = 1.0
+
+
+class NotOwned(Exception):
+    """An attempt was about to start after the partition's lease may have run out."""
 
 
 class InFlight:
@@ -169,15 +175,27 @@ class PartitionWorker:
         Raises ``PartitionLost`` (or the broker's error) when the partition can no longer
         be served; its handlers are cancelled then, unacknowledged.
         """
+        lag = asyncio.get_running_loop().create_task(self._follow_lag())
         try:
             await self._take_over(stop)
             await self._read(stop)
             if self.failure is None:
                 await self._drain(drain_timeout)
         finally:
+            lag.cancel()
+            await asyncio.gather(lag, return_exceptions=True)
             await self._cancel_handlers()
         if self.failure is not None:
             raise self.failure
+
+    async def _follow_lag(self) -> None:
+        """Keep ``stats().lag`` of this partition current while it is owned here."""
+        while True:
+            try:
+                self.counts.lag[self.partition] = await self.source.lag(self.partition)
+            except Exception as exc:  # the broker's trouble: reads and acks report it
+                logger.debug("partition %d: lag not read (%r)", self.partition, exc)
+            await asyncio.sleep(LAG_INTERVAL)
 
     async def _take_over(self, stop: asyncio.Event) -> None:
         """Run the earlier owners' unacknowledged messages first, in stream order."""
@@ -285,6 +303,12 @@ class PartitionWorker:
             )
             if self._closing:
                 return  # shutdown, not the message, failed it: left for the next owner
+        except NotOwned as exc:
+            # Nothing was started: the message stays pending for the partition's next owner,
+            # and its key here must not move on.
+            self._fail(PartitionLost(str(exc)))
+            await self._hold_key()
+            return
         except asyncio.CancelledError:
             if self._closing:
                 raise
@@ -318,6 +342,14 @@ class PartitionWorker:
     async def _attempts(self, entry: Entry) -> str | None:
         """Run the handler up to ``max_attempts`` times; None once it succeeded, else the error."""
         for attempt in range(1, self.max_attempts + 1):
+            # Before every attempt, not only the first: a consumer paused past its lease
+            # (waiting out a retry delay, or with the rest of a batch not started) must not
+            # start old work once another owner may have run newer messages of the key.
+            if self.failure is not None or not self.source.holds(self.partition, self.fence):
+                raise NotOwned(
+                    f"partition {self.partition} (fence {self.fence}) may have another owner "
+                    f"now: message {entry.id} of key {entry.key!r} was not started"
+                )
             message = StreamMessage(
                 entry.key,
                 entry.fields,

@@ -174,3 +174,24 @@ end
 redis.call('ZREMRANGEBYSCORE', members, '-inf', now - 1)
 return redis.call('ZRANGE', members, 0, -1)
 """
+
+# KEYS: base -> lag: the partition's messages not yet handed out to any consumer. The group's
+# own count when Redis knows it; otherwise (entries deleted in between) counted, up to a cap.
+LAG = """
+local base = KEYS[1]
+local STREAM, GROUP = base .. ':stream', 'keyserial'
+if redis.call('EXISTS', STREAM) == 0 then
+  return 0
+end
+for _, info in ipairs(redis.call('XINFO', 'GROUPS', STREAM)) do
+  local fields = {}
+  for i = 1, #info, 2 do fields[info[i]] = info[i + 1] end
+  if fields['name'] == GROUP then
+    if fields['lag'] then
+      return fields['lag']
+    end
+    return #redis.call('XRANGE', STREAM, '(' .. fields['last-delivered-id'], '+', 'COUNT', 100000)
+  end
+end
+return redis.call('XLEN', STREAM)
+"""

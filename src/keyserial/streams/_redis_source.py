@@ -20,6 +20,7 @@ from typing import Any, cast
 import redis.asyncio as redis_asyncio
 from redis.exceptions import MaxConnectionsError
 
+from .._errors import LeaseLost
 from .._keycodec import deserialize_key, serialize_key
 from ..redis._lock import RedisLock
 from ..redis._names import acl_rules as redis_acl_rules
@@ -54,7 +55,7 @@ def _as_text(value: object) -> str:
 #: Commands a consumer and a producer send beyond the Redis backend's (see acl_rules).
 _STREAM_COMMANDS = (
     "xadd xread xreadgroup xack xautoclaim xclaim xpending xrange xrevrange xtrim "
-    "xinfo|groups xinfo|consumers xgroup|create xgroup|delconsumer zrange zremrangebyscore"
+    "xinfo|groups xinfo|consumers xgroup|create xgroup|delconsumer xlen zrange zremrangebyscore"
 )
 
 
@@ -130,6 +131,8 @@ class RedisStreamSource(StreamSource):
         self._dead = LuaScript(scripts.DEAD_LETTER)
         self._set_deliveries = LuaScript(scripts.SET_DELIVERIES)
         self._members = LuaScript(scripts.MEMBERS)
+        self._lag = LuaScript(scripts.LAG)
+        self._held: dict[int, _Ownership] = {}  # the partitions owned here, by their blocks
 
     def stream_name(self, partition: int) -> str:
         """The Redis key of ``partition``'s stream."""
@@ -169,7 +172,15 @@ class RedisStreamSource(StreamSource):
         return text(reply)
 
     def own(self, partition: int) -> AbstractAsyncContextManager[int]:
-        return _Ownership(self._owners, partition)
+        return _Ownership(self._owners, partition, self._held)
+
+    def holds(self, partition: int, fence: int) -> bool:
+        ownership = self._held.get(partition)
+        return ownership is not None and ownership.fence == fence and ownership.holds()
+
+    async def lag(self, partition: int) -> int:
+        reply = await self._runner.call(self._lag, self._bases[partition])
+        return int(reply)
 
     async def _script(self, script: LuaScript, partition: int, *args: str | int) -> Any:
         reply = await self._runner.call(script, self._bases[partition], *args)
@@ -262,21 +273,42 @@ class RedisStreamSource(StreamSource):
 
 
 class _Ownership:
-    """``async with``: hold a partition's turn; its value is the turn's fence."""
+    """``async with``: hold a partition's turn; its value is the turn's fence.
 
-    __slots__ = ("_lock", "_partition")
+    On entering, a lease that may be short by the local measure (a turn granted after a
+    long wait) is renewed first, so that the owner starts with a lease it can count on.
+    """
 
-    def __init__(self, owners: RedisKeyedQueue, partition: int) -> None:
+    __slots__ = ("_held", "_lock", "_partition", "fence")
+
+    def __init__(
+        self, owners: RedisKeyedQueue, partition: int, held: dict[int, _Ownership]
+    ) -> None:
         self._lock = cast("RedisLock", owners.lock(partition))
         self._partition = partition
+        self._held = held
+        self.fence: int | None = None
+
+    def holds(self) -> bool:
+        return self._lock.holds()
 
     async def __aenter__(self) -> int:
         await self._lock.__aenter__()
         fence = self._lock.fence
         assert fence is not None  # a partition's block is never a re-entry
+        try:
+            if not await self._lock.confirm():
+                raise LeaseLost(encode_key(self._partition), fence)
+        except BaseException:
+            await self._lock.__aexit__(None, None, None)
+            raise
+        self.fence = fence
+        self._held[self._partition] = self
         return fence
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
+        if self._held.get(self._partition) is self:
+            del self._held[self._partition]
         return await self._lock.__aexit__(*exc_info)
 
 

@@ -62,6 +62,16 @@ class StreamSource(Protocol):
         """
         ...
 
+    def holds(self, partition: int, fence: int) -> bool:
+        """Whether this process surely still owns ``partition`` with ``fence``, judged
+        locally and at once: False from the moment its lease may have run out (measured
+        from before the request that granted or last renewed it), or once it was lost."""
+        ...
+
+    async def lag(self, partition: int) -> int:
+        """How many of ``partition``'s messages no consumer has been handed yet."""
+        ...
+
     async def claim(
         self, partition: int, fence: int, consumer: str, start: str, count: int
     ) -> tuple[str, Sequence[Entry]]:

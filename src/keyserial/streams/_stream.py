@@ -142,6 +142,7 @@ class KeyedStream:
         self._in_flight = InFlight(self._max_in_flight)
         self._slots: dict[int, _Slot] = {}
         self._stopping: asyncio.Event | None = None
+        self._stop_asked = False  # stop() called while run() was not running
 
     @property
     def partitions(self) -> int:
@@ -268,9 +269,15 @@ class KeyedStream:
         return found
 
     def stop(self) -> None:
-        """Ask ``run()`` to stop reading, let running handlers finish, and return."""
+        """Ask ``run()`` to stop reading, let running handlers finish, and return.
+
+        A stop asked for while ``run()`` is not running is kept: the next ``run()``
+        returns at once (and the stop is used up).
+        """
         if self._stopping is not None:
             self._stopping.set()
+        else:
+            self._stop_asked = True
 
     async def run(self) -> None:
         """Consume until cancelled or ``stop()``: own partitions, run their messages.
@@ -287,6 +294,9 @@ class KeyedStream:
             raise RuntimeError(f"stream {self.name!r} has no handler: decorate one with consumer()")
         if self._stopping is not None:
             raise RuntimeError(f"stream {self.name!r} is already running")
+        if self._stop_asked:
+            self._stop_asked = False
+            return
         stopping = self._stopping = asyncio.Event()
         queue = KeyedSerialQueue(observer=self._observer)
         try:
@@ -346,7 +356,12 @@ class KeyedStream:
                     await worker.run(slot.stop, self._drain_timeout)
             except (LeaseLost, PartitionLost) as exc:
                 self._counts.ownerships_lost += 1
-                logger.warning("stream %r: partition %d lost (%s)", self.name, partition, exc)
+                detail = (
+                    f"its lease (fence {exc.fence}) ran out"
+                    if isinstance(exc, LeaseLost)
+                    else str(exc)
+                )
+                logger.warning("stream %r: partition %d lost: %s", self.name, partition, detail)
             except (RedisError, ConnectionError, TimeoutError) as exc:
                 logger.warning("stream %r: partition %d: %s", self.name, partition, exc)
                 await asyncio.sleep(RETRY_BROKER)
