@@ -19,6 +19,9 @@ consumer for each one that died so. Afterwards it checks:
   acknowledged only after it completed, an ack past unfinished work would show as a message
   that never completed;
 * nothing left: once the consumers stopped gracefully, nothing is pending in any partition;
+* no stale start: in each partition, no handler started (by an unfenced log of every start)
+  with a fence older than one that had already started there; half the pauses last well
+  past the lease, so that the paused consumer's partitions change owner meanwhile;
 * duplicates (completions beyond the first, after a kill or a lost lease) are counted.
 
 The test suite runs a small size (``test_stream_chaos.py``); the full size::
@@ -54,6 +57,8 @@ from .chaos_stacks import answer_stack_requests, stacks_of
 ROOT = Path(__file__).resolve().parent.parent
 STREAM = "chaos"
 HISTORY = "chaos:history"
+#: Every handler start, unfenced: ``partition|fence``, in the order the starts reached Redis.
+STARTS = "chaos:starts"
 
 # KEYS: the partition's holder, the history. ARGV: fence, record.
 # Appends the record only while ``fence`` is the partition owner's fence.
@@ -103,6 +108,7 @@ async def consume(url: str, partitions: int, lease: float, seed: int, max_delive
         drain_timeout=10,
     )
     async def handle(message: StreamMessage) -> None:
+        await records.rpush(STARTS, f"{message.partition}|{message.fence}")
         await fenced(message, "S")
         if message.fields["fate"] == "killer":
             os._exit(3)  # as a crash in an extension would: no cleanup, no ack
@@ -265,10 +271,13 @@ class Chaos:
             self.spawn()  # a new consumer takes its place
             self.report.faults["killed"] += 1
         else:
+            # Half the pauses end within the lease, half well past it: another consumer
+            # takes the partitions over, and the paused one must start nothing on resuming.
+            past = self.rng.random() < 0.5
             process.send_signal(signal.SIGSTOP)
-            await asyncio.sleep(self.rng.uniform(0.5, 2.0) * self.lease)
+            await asyncio.sleep(self.rng.uniform(2.0, 3.0) if past else self.rng.uniform(0.3, 0.9))
             process.send_signal(signal.SIGCONT)
-            self.report.faults["paused"] += 1
+            self.report.faults["paused past the lease" if past else "paused"] += 1
 
     def history(self) -> list[tuple[str, str, int, str]]:
         rows: list[tuple[str, str, int, str]] = []
@@ -314,8 +323,22 @@ class Chaos:
                         f"consumer {process.pid} exited {process.returncode}"
                     )
 
+    def stale_starts(self) -> list[str]:
+        """Handler starts whose fence is older than one already started in their partition."""
+        newest: dict[str, int] = {}
+        stale: list[str] = []
+        raws: Any = self.redis.lrange(STARTS, 0, -1)
+        for raw in raws:
+            partition, fence = raw.decode().split("|")
+            if int(fence) < newest.get(partition, 0):
+                stale.append(f"partition {partition}: fence {fence} after {newest[partition]}")
+            newest[partition] = max(int(fence), newest.get(partition, 0))
+        return stale
+
     def check(self) -> None:
         report, history, dead = self.report, self.history(), self.dead()
+        if stale := self.stale_starts():
+            report.problems.append(f"handlers started with an old fence: {stale[:5]}")
         completed: dict[str, set[int]] = defaultdict(set)
         highest_start: dict[str, int] = {}
         completions = 0

@@ -25,9 +25,7 @@ async def test_a_lost_lease_interrupts_the_call() -> None:
         return False  # Redis no longer has this turn
 
     call = asyncio.create_task(asyncio.sleep(3600))
-    keeper = LeaseKeeper(
-        now_turn(), call, LEASE, refused
-    )
+    keeper = LeaseKeeper(now_turn(), call, LEASE, refused)
     with pytest.raises(asyncio.CancelledError):
         await call
     assert keeper.turn.lost
@@ -43,9 +41,7 @@ async def test_renewals_keep_the_call_running() -> None:
         return True
 
     call = asyncio.create_task(asyncio.sleep(10 * LEASE))
-    keeper = LeaseKeeper(
-        now_turn(), call, LEASE, renewed
-    )
+    keeper = LeaseKeeper(now_turn(), call, LEASE, renewed)
     await call
     keeper.stop()
     assert len(renewals) == 30  # every third of the lease
@@ -73,9 +69,7 @@ async def test_a_renewal_out_when_the_call_ends_never_interrupts_the_task_later(
         return "finished"
 
     task = asyncio.create_task(call_then_more_work())
-    keeper = LeaseKeeper(
-        now_turn(), task, LEASE, unanswered
-    )
+    keeper = LeaseKeeper(now_turn(), task, LEASE, unanswered)
     await asyncio.sleep(LEASE * 2)  # past the lease's end: the renewal was not confirmed
     await settle()
     next_work.set()

@@ -15,7 +15,9 @@ def test_chaos_per_key_order_nothing_lost_nothing_pending(redis_server: RedisSer
     # The run did what it is for: messages went through, and faults of every kind happened.
     assert report.completed + report.dead_lettered == report.published == 2000
     assert report.dead_lettered > 0
-    assert report.faults["killed"] + report.faults["paused"] >= 5
+    faults = report.faults
+    assert faults["killed"] + faults["paused"] + faults["paused past the lease"] >= 5
+    assert faults["paused past the lease"] >= 1  # a partition changed owner during a pause
     assert report.faults["joined"] == 1
     # The killer ended a consumer at most once per delivery it was allowed (4), then was
     # dead-lettered with the poison, and nothing pending beside it was.
