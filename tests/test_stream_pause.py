@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,7 +39,8 @@ async def main(url: str, pause_self: bool, retry_delay: float) -> None:
 
     @stream.consumer(max_attempts=3, retry_delay=retry_delay, drain_timeout=1)
     async def handle(message: StreamMessage) -> None:
-        log.rpush("starts", f"{{os.getpid()}}|{{message.fence}}|{{message.key}}|{{message.attempt}}")
+        started = f"{{os.getpid()}}|{{message.fence}}|{{message.key}}|{{message.attempt}}"
+        log.rpush("starts", started)
         kind = message.fields["kind"]
         if kind == "stop-self" and pause_self:
             os.kill(os.getpid(), signal.SIGSTOP)  # the rest of the batch has not started
@@ -73,7 +74,7 @@ def _publish(url: str, messages: list[tuple[str, str]]) -> None:
 
 
 @contextmanager
-def consumers(url: str) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+def consumers(url: str) -> Generator[Callable[..., subprocess.Popen[bytes]], None, None]:
     started: list[subprocess.Popen[bytes]] = []
 
     def start(*, pause_self: bool = False, retry_delay: float = 0.0) -> subprocess.Popen[bytes]:
@@ -105,7 +106,7 @@ def consumers(url: str) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
 
 def starts(records: redis.Redis) -> list[tuple[int, int, str, int]]:
     rows: Any = records.lrange("starts", 0, -1)
-    found = []
+    found: list[tuple[int, int, str, int]] = []
     for row in rows:
         pid, fence, key, attempt = row.decode().split("|")
         found.append((int(pid), int(fence), key, int(attempt)))
@@ -121,7 +122,7 @@ def wait_for(condition: Callable[[], bool], what: str, seconds: float = 30.0) ->
 
 def stale_starts(log: list[tuple[int, int, str, int]]) -> list[tuple[int, int, str, int]]:
     """Starts whose fence is older than one that had already started (one partition)."""
-    newest, stale = 0, []
+    newest, stale = 0, list[tuple[int, int, str, int]]()
     for entry in log:
         if entry[1] < newest:
             stale.append(entry)
