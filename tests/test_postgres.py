@@ -71,7 +71,7 @@ async def test_same_key_across_queues_in_order_with_increasing_fences(pools: Poo
     starts = [line for line in rec.log if line.startswith("start") and line != "start other"]
     assert starts == ["start a", "start b", "start c"]
     assert fences["a"] < fences["b"] < fences["c"]
-    assert fences["other"] == 1  # a per-key counter
+    assert fences["other"] > 0
 
 
 async def test_writes_commit_with_the_turn_and_roll_back_when_it_fails(pools: Pools) -> None:

@@ -15,6 +15,12 @@ from ._connection import connection
 from ._ids import lock_id
 from ._queue import MIN_LEASE as MIN_LEASE
 from ._queue import PostgresKeyedQueue
-from ._turns import PostgresUnavailable
+from ._turns import PostgresUnavailable, TurnRolledBack
 
-__all__ = ["PostgresKeyedQueue", "PostgresUnavailable", "connection", "lock_id"]
+__all__ = [
+    "PostgresKeyedQueue",
+    "PostgresUnavailable",
+    "TurnRolledBack",
+    "connection",
+    "lock_id",
+]

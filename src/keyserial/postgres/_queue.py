@@ -8,7 +8,6 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, 
 from typing import Any, ParamSpec, TypeVar
 
 import psycopg
-from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 from .._errors import awaitable_result, check_function
@@ -61,8 +60,10 @@ class PostgresKeyedQueue:
             stalled holder keeps its key. A live call is kept alive by a ``SELECT 1``
             every third of it while it works outside the database.
         max_pending: per-key bound on this process's running plus waiting calls.
-        table: the table of fence counters, created on first use if missing.
-        schema: the schema of ``table`` (by default the connection's search path).
+        table: names the fence sequence, ``<table>_seq``, created on first use if missing
+            (fences continue above those of a fence table of that name from an earlier
+            version).
+        schema: the schema of the sequence (by default the connection's search path).
 
     Raises:
         TypeError: ``pool`` is not a ``psycopg_pool.AsyncConnectionPool``, or
@@ -117,7 +118,7 @@ class PostgresKeyedQueue:
         self._namespace = namespace
         self._lease = float(lease)
         self._local = KeyedSerialQueue(max_pending=max_pending)
-        name = sql.Identifier(table) if schema is None else sql.Identifier(schema, table)
+        name = (table,) if schema is None else (schema, table)
         self._turns = PostgresTurns(pool, name, self._lease)
 
     @property

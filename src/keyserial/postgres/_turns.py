@@ -2,9 +2,11 @@
 
 A turn begins with one round trip, in pipeline mode: ``BEGIN``, the session settings of the
 turn (``SET LOCAL``), ``pg_advisory_xact_lock`` for each key in ascending order, and the
-fence counter bumped in the same transaction. It ends with ``COMMIT`` (the call returned)
-or ``ROLLBACK`` (it raised or was cancelled), which also releases the locks: there is no
-release to send, and nothing to forget when the process dies.
+turn's fence: ``nextval`` of the queue's fence sequence. A sequence is not transactional, so
+a turn that is rolled back (it raised, was cancelled, or stalled past its lease) still used
+its fence up, and its successor gets a larger one. It ends with ``COMMIT`` (the call
+returned) or ``ROLLBACK`` (it raised or was cancelled), which also releases the locks: there
+is no release to send, and nothing to forget when the process dies.
 """
 
 from __future__ import annotations
@@ -31,6 +33,24 @@ logger = logging.getLogger("keyserial")
 _SCHEMA_LOCK = 0x6B65797365726961  # "keyseria"
 
 
+class TurnRolledBack(RuntimeError):
+    """The function returned, but its transaction had already failed: nothing was kept.
+
+    A database error inside the turn aborts its transaction; a function that catches the
+    error and returns normally would otherwise have its writes rolled back in silence.
+    The turn's transaction was rolled back, and the function's result is not returned.
+    Use a savepoint (``async with connection().transaction():``) around a statement whose
+    error you mean to handle.
+
+    Example:
+        ```pycon
+        >>> issubclass(TurnRolledBack, RuntimeError)
+        True
+
+        ```
+    """
+
+
 class PostgresUnavailable(ConnectionError):
     """PostgreSQL could not be reached, or the connection broke; the call did not complete.
 
@@ -53,9 +73,13 @@ def _milliseconds(seconds: float) -> str:
 class PostgresTurns:
     """Turns of one queue's keys, as transactions on connections of the application's pool."""
 
-    def __init__(self, pool: AsyncConnectionPool[Any], table: sql.Composable, lease: float) -> None:
+    def __init__(
+        self, pool: AsyncConnectionPool[Any], table: tuple[str, ...], lease: float
+    ) -> None:
         self.pool = pool
-        self.table = table
+        self.table = sql.Identifier(*table)
+        #: The fence sequence, named after ``table`` (whose rows fences once came from).
+        self.sequence = sql.Identifier(*table[:-1], table[-1] + "_seq")
         self.lease = lease
         self.table_ready = False
         #: task -> the turn it holds: a call of that task for another key locks it in the
@@ -63,20 +87,43 @@ class PostgresTurns:
         self.held: dict[Task, PgTurn] = {}
         #: The autocommit setting each lent connection had in the pool, restored on return.
         self.autocommit: dict[int, bool] = {}
-        self.bump = sql.SQL(
-            "INSERT INTO {table} AS f (lock_id, fence) VALUES (%s, 1) "
-            "ON CONFLICT (lock_id) DO UPDATE SET fence = f.fence + 1 RETURNING fence"
-        ).format(table=table)
+        quoted = ('"' + part.replace('"', '""') + '"' for part in (*table[:-1], table[-1] + "_seq"))
+        self.next_fence = sql.SQL("SELECT nextval({})").format(sql.Literal(".".join(quoted)))
 
     async def _create_table(self, connection: AsyncConnection[Any]) -> None:
+        """Create the fence sequence if it is missing (by whichever process is first).
+
+        Fences continue above those of a fence table of an earlier version, if there is one.
+        A role without ``CREATE`` on the schema can use a sequence made beforehand.
+        """
         async with connection.transaction():
+            found = await connection.execute(
+                "SELECT to_regclass(%s)", (self.sequence.as_string(connection),)
+            )
+            row = await found.fetchone()
+            if row is not None and row[0] is not None:
+                self.table_ready = True
+                return
             await connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
             await connection.execute(
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {table} "
-                    "(lock_id bigint PRIMARY KEY, fence bigint NOT NULL)"
-                ).format(table=self.table)
+                sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(self.sequence)
             )
+            old = await connection.execute(
+                "SELECT to_regclass(%s)",
+                (self.table.as_string(connection),),
+            )
+            row = await old.fetchone()
+            if row is not None and row[0] is not None:
+                await connection.execute(
+                    sql.SQL(
+                        "SELECT setval({seq}, max(fence)) FROM {table} "
+                        "HAVING max(fence) > (SELECT last_value FROM {seq_name})"
+                    ).format(
+                        seq=sql.Literal(self.sequence.as_string(connection)),
+                        table=self.table,
+                        seq_name=self.sequence,
+                    )
+                )
         self.table_ready = True
 
     async def begin(
@@ -166,8 +213,8 @@ class PostgresTurns:
                 for key in sorted(keys):
                     await connection.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
                 await connection.execute("SET LOCAL lock_timeout TO DEFAULT")
-                fences = [await connection.execute(self.bump, (key,)) for key in keys]
-            first = await fences[0].fetchone()
+                fence = await connection.execute(self.next_fence)  # after the locks: ordered
+            first = await fence.fetchone()
         except psycopg.errors.LockNotAvailable as exc:
             raise TimeoutError("timed out waiting for the turn") from exc
         except psycopg.errors.DeadlockDetected as exc:
@@ -186,10 +233,18 @@ class PostgresTurns:
         """End the turn: commit its transaction (the locks go with it), give the connection back.
 
         Raises:
+            TurnRolledBack: the transaction had failed already; it was rolled back.
             PostgresUnavailable: the commit did not go through (the session was ended or the
                 connection broke): nothing of the turn was kept.
         """
         connection = turn.connection
+        if connection.pgconn.transaction_status == TransactionStatus.INERROR:
+            # COMMIT would roll back quietly: the function caught a database error.
+            await self._discard(connection)
+            raise TurnRolledBack(
+                "the turn's transaction failed before the function returned (a database error "
+                "was caught inside the turn, or a nested turn failed); nothing of it was kept"
+            )
         try:
             await connection.execute("COMMIT")
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
