@@ -168,6 +168,7 @@ class PartitionWorker:
         self._wake = asyncio.Event()
         self._closing = False  # the worker is cancelling its handlers
         self._closed = asyncio.get_running_loop().create_future()  # set when it starts to
+        self._lag_due = 0.0  # when stats().lag is next read from the broker
 
     async def run(self, stop: asyncio.Event, drain_timeout: float) -> None:
         """Take over, then read until ``stop`` is set; then let the handlers finish.
@@ -175,27 +176,28 @@ class PartitionWorker:
         Raises ``PartitionLost`` (or the broker's error) when the partition can no longer
         be served; its handlers are cancelled then, unacknowledged.
         """
-        lag = asyncio.get_running_loop().create_task(self._follow_lag())
         try:
             await self._take_over(stop)
             await self._read(stop)
             if self.failure is None:
                 await self._drain(drain_timeout)
         finally:
-            lag.cancel()
-            await asyncio.gather(lag, return_exceptions=True)
             await self._cancel_handlers()
         if self.failure is not None:
             raise self.failure
 
     async def _follow_lag(self) -> None:
-        """Keep ``stats().lag`` of this partition current while it is owned here."""
-        while True:
-            try:
-                self.counts.lag[self.partition] = await self.source.lag(self.partition)
-            except Exception as exc:  # the broker's trouble: reads and acks report it
-                logger.debug("partition %d: lag not read (%r)", self.partition, exc)
-            await asyncio.sleep(LAG_INTERVAL)
+        """Keep ``stats().lag`` of this partition current: asked at most every
+        ``LAG_INTERVAL``, by the reader between its reads and waits (never a request of
+        its own to cancel)."""
+        now = asyncio.get_running_loop().time()
+        if now < self._lag_due:
+            return
+        self._lag_due = now + LAG_INTERVAL
+        try:
+            self.counts.lag[self.partition] = await self.source.lag(self.partition)
+        except Exception as exc:  # the broker's trouble: reads and acks report it
+            logger.debug("partition %d: lag not read (%r)", self.partition, exc)
 
     async def _take_over(self, stop: asyncio.Event) -> None:
         """Run the earlier owners' unacknowledged messages first, in stream order."""
@@ -240,6 +242,7 @@ class PartitionWorker:
                 await self._until_any(stop, self.source.wait(self.partition, got, IDLE_WAIT))
             else:
                 self._dispatch(got)
+            await self._follow_lag()
 
     async def _reserve(self, stop: asyncio.Event) -> int:
         """Reserve room to read messages into; 0 if told to stop while waiting for room."""
@@ -247,17 +250,23 @@ class PartitionWorker:
             room = self.in_flight.reserve(READ_BATCH)
             if room:
                 return room
-            await self._until_any(stop, self.in_flight.room())
+            await self._until_any(stop, self.in_flight.room(), LAG_INTERVAL)
             if stop.is_set() or self.failure is not None:
                 return 0
+            await self._follow_lag()
 
-    async def _until_any(self, stop: asyncio.Event, awaitable: Awaitable[Any]) -> None:
-        """Await ``awaitable`` until it ends, ``stop`` is set or a handler failed the worker."""
+    async def _until_any(
+        self, stop: asyncio.Event, awaitable: Awaitable[Any], timeout: float | None = None
+    ) -> None:
+        """Await ``awaitable`` until it ends, ``stop`` is set, a handler failed the worker,
+        or ``timeout`` seconds passed."""
         work = asyncio.ensure_future(awaitable)
         stopped = asyncio.ensure_future(stop.wait())
         failed = asyncio.ensure_future(self._wake.wait())
         try:
-            await asyncio.wait({work, stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {work, stopped, failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             for future in (work, stopped, failed):
                 future.cancel()
