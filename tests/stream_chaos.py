@@ -5,7 +5,7 @@ one stream while consumer processes handle them. Each handler records its start 
 completion in a history list, through a script that refuses the record unless the handler's
 ``msg.fence`` is still its partition's owner's fence — the way an application's store would
 refuse a stale owner's writes. Meanwhile the parent SIGKILLs consumers (a new one takes each
-one's place), SIGSTOPs them for up to twice the lease, and starts one more consumer partway.
+one's place), SIGSTOPs them (half of them well past the lease), and starts one more consumer partway.
 A few messages fail once (retried), a few always (dead-lettered); with ``--killers``, that many
 messages kill the consumer process that runs them (``os._exit``), and the parent starts a new
 consumer for each one that died so. Afterwards it checks:
@@ -89,6 +89,9 @@ async def consume(url: str, partitions: int, lease: float, seed: int, max_delive
         connection_pool=redis_asyncio.BlockingConnectionPool.from_url(url, max_connections=32)
     )
     record = records.register_script(FENCED_RECORD)
+    # Synchronous, so that a start is recorded in the same step as the owner's check before
+    # it: a record sent later (after an await) could arrive after a pause and tell nothing.
+    starts = redis.Redis.from_url(url)
     rng = random.Random(seed)
 
     async def fenced(message: StreamMessage, what: str) -> None:
@@ -108,7 +111,7 @@ async def consume(url: str, partitions: int, lease: float, seed: int, max_delive
         drain_timeout=10,
     )
     async def handle(message: StreamMessage) -> None:
-        await records.rpush(STARTS, f"{message.partition}|{message.fence}")
+        starts.rpush(STARTS, f"{message.partition}|{message.fence}")
         await fenced(message, "S")
         if message.fields["fate"] == "killer":
             os._exit(3)  # as a crash in an extension would: no cleanup, no ack
@@ -126,6 +129,7 @@ async def consume(url: str, partitions: int, lease: float, seed: int, max_delive
     await stream.aclose()
     await client.aclose()
     await records.aclose()
+    starts.close()
 
 
 # -- the parent -------------------------------------------------------------------------------
