@@ -5,7 +5,8 @@ one stream while consumer processes handle them. Each handler records its start 
 completion in a history list, through a script that refuses the record unless the handler's
 ``msg.fence`` is still its partition's owner's fence — the way an application's store would
 refuse a stale owner's writes. Meanwhile the parent SIGKILLs consumers (a new one takes each
-one's place), SIGSTOPs them (half of them well past the lease), and starts one more consumer partway.
+one's place), SIGSTOPs them (half of them well past the lease), and starts one more consumer
+partway.
 A few messages fail once (retried), a few always (dead-lettered); with ``--killers``, that many
 messages kill the consumer process that runs them (``os._exit``), and the parent starts a new
 consumer for each one that died so. Afterwards it checks:
@@ -57,7 +58,8 @@ from .chaos_stacks import answer_stack_requests, stacks_of
 ROOT = Path(__file__).resolve().parent.parent
 STREAM = "chaos"
 HISTORY = "chaos:history"
-#: Every handler start, unfenced: ``partition|fence``, in the order the starts reached Redis.
+#: Every handler start, unfenced: ``partition|fence|pid``, in the order the starts reached
+#: Redis; and ``resume|pid`` just before a paused consumer is let go on.
 STARTS = "chaos:starts"
 
 # KEYS: the partition's holder, the history. ARGV: fence, record.
@@ -111,7 +113,7 @@ async def consume(url: str, partitions: int, lease: float, seed: int, max_delive
         drain_timeout=10,
     )
     async def handle(message: StreamMessage) -> None:
-        starts.rpush(STARTS, f"{message.partition}|{message.fence}")
+        starts.rpush(STARTS, f"{message.partition}|{message.fence}|{os.getpid()}")
         await fenced(message, "S")
         if message.fields["fate"] == "killer":
             os._exit(3)  # as a crash in an extension would: no cleanup, no ack
@@ -280,6 +282,7 @@ class Chaos:
             past = self.rng.random() < 0.5
             process.send_signal(signal.SIGSTOP)
             await asyncio.sleep(self.rng.uniform(2.0, 3.0) if past else self.rng.uniform(0.3, 0.9))
+            self.redis.rpush(STARTS, f"resume|{process.pid}")  # before it can record anything
             process.send_signal(signal.SIGCONT)
             self.report.faults["paused past the lease" if past else "paused"] += 1
 
@@ -328,13 +331,27 @@ class Chaos:
                     )
 
     def stale_starts(self) -> list[str]:
-        """Handler starts whose fence is older than one already started in their partition."""
+        """Handler starts whose fence is older than one already started in their partition.
+
+        One start per pause is let pass: the first record a consumer sends once it goes on.
+        A handler whose owner checked its lease just before the pause came, and whose record
+        was not yet sent, started in time, yet its record arrives after the new owner's. No
+        consumer can make its check and a handler's first write one step, so that one is
+        allowed; any further start with an old fence is not.
+        """
         newest: dict[str, int] = {}
+        first_after_pause: set[str] = set()
         stale: list[str] = []
         raws: Any = self.redis.lrange(STARTS, 0, -1)
         for raw in raws:
-            partition, fence = raw.decode().split("|")
-            if int(fence) < newest.get(partition, 0):
+            fields = raw.decode().split("|")
+            if fields[0] == "resume":
+                first_after_pause.add(fields[1])
+                continue
+            partition, fence, pid = fields
+            in_window = pid in first_after_pause
+            first_after_pause.discard(pid)
+            if int(fence) < newest.get(partition, 0) and not in_window:
                 stale.append(f"partition {partition}: fence {fence} after {newest[partition]}")
             newest[partition] = max(int(fence), newest.get(partition, 0))
         return stale
