@@ -3,9 +3,9 @@
 PEP 612 allows no keyword-only parameter between ``*args: P.args`` and
 ``**kwargs: P.kwargs``, so ``run(key, fn, *args, timeout=5, **kwargs)`` could not be typed
 without taking ``timeout`` from the function's own keywords. A queue's ``with_options``
-returns a view instead (the convention of ``httpx.Client.with_options`` and
-``typing``-friendly SDKs): the same methods, each with the options applied, and every
-keyword argument still going to the function.
+returns a view instead, as the OpenAI Python SDK's ``client.with_options(timeout=...)``
+does: the same methods, each with the options applied, and every keyword argument still
+going to the function.
 """
 
 from __future__ import annotations
