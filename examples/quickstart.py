@@ -12,7 +12,9 @@ async def save(seg_id: str, text: str) -> None:
 
 
 class TranscriptService:
-    @serialized(key=lambda seg_id, *args, **kwargs: seg_id)  # keyed by seg_id, not self
+    # On a method too, the key function gets the caller's arguments:
+    # keyed by seg_id, not by self.
+    @serialized(key=lambda seg_id, *args, **kwargs: seg_id)
     async def finalize(self, seg_id: str, text: str) -> None:
         saved.append(f"{seg_id}: final {text}")
 
@@ -22,8 +24,8 @@ async def main() -> None:
     await asyncio.gather(
         save("seg-1", "partial"),
         save("seg-2", "partial"),
-        save("seg-1", "revision"),  # waits for seg-1's partial, not for seg-2
-        service.finalize(seg_id="seg-1", text="done"),  # and this for the revision
+        save("seg-1", "revision"),  # after seg-1's partial only
+        service.finalize(seg_id="seg-1", text="done"),  # then this
     )
     print("\n".join(saved))
 
