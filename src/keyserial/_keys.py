@@ -165,16 +165,8 @@ def _sample_calls(
 ) -> list[tuple[list[str], dict[str, str]]]:
     """The calls ``func`` accepts at both ends: every parameter given, and only required ones."""
     parameters = list(inspect.signature(func).parameters.values())
-    if (
-        drop_first
-        and parameters
-        and parameters[0].kind
-        in (
-            inspect.Parameter.POSITIONAL_ONLY,
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
-        )
-    ):
-        parameters = parameters[1:]
+    if drop_first and _first_parameter(func) is not None:
+        parameters = parameters[1:]  # the receiver, which the key function does not get
     full: tuple[list[str], dict[str, str]] = ([], {})
     required: tuple[list[str], dict[str, str]] = ([], {})
     for parameter in parameters:
@@ -199,15 +191,11 @@ def check_arity(
         TypeError: naming both signatures, when binding them fails.
     """
     try:
-        key_signature = inspect.signature(key_fn)
         calls = _sample_calls(func, drop_receiver)
     except (TypeError, ValueError):
         return  # a signature Python cannot read: nothing to check
     for args, kwargs in calls:
-        try:
-            key_signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise _mismatch(key_fn, key_signature, func, qualname, exc, drop_receiver) from None
+        _raise_if_unbindable(key_fn, func, qualname, tuple(args), kwargs, drop_receiver)
 
 
 def key_from_parameter(

@@ -12,7 +12,6 @@ from psycopg_pool import AsyncConnectionPool
 
 from .._errors import awaitable_result, check_function
 from .._fence import register_turn_code
-from .._multikey import check_timeout
 from .._options import MultiKeyWaitOptions
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
@@ -257,13 +256,11 @@ class PostgresKeyedQueue:
         ``timeout`` bounds the wait, as in
         [with_options][keyserial.postgres.PostgresKeyedQueue.with_options].
         """
-        check_timeout(timeout)
         keys = (self._id(key),)
         return PostgresLock(self._turns, self._local.lock(keys[0], timeout), keys, timeout)
 
     def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
         """Hold the turns of all ``keys`` in one transaction for an ``async with`` block."""
-        check_timeout(timeout)
         ids = tuple(dict.fromkeys(self._id(key) for key in keys))
         return PostgresLock(self._turns, self._local.lock_all(ids, timeout), ids, timeout)
 

@@ -65,16 +65,23 @@ class LeaseKeeper:
         self.stopped = False
         # A turn granted after a long wait may have little of its lease left by this
         # measure: renew it at once then, instead of a third of a lease later.
-        fresh = self.expires - self.loop.time() >= lease * 2 / 3
-        self.timer = self.loop.call_later(lease / 3 if fresh else 0, self._due)
+        self.timer = self.loop.call_later(lease / 3 if self.fresh() else 0, self._due)
 
     def expired(self) -> bool:
         """Whether the lease may have run out: no renewal was confirmed within it."""
         return self.loop.time() >= self.expires
 
+    def fresh(self) -> bool:
+        """Whether at least two thirds of the lease are left, by the local measure."""
+        return self.expires - self.loop.time() >= self.lease * 2 / 3
+
     def holds(self) -> bool:
         """Whether the turn surely still holds its lease, judged locally (no round trip)."""
         return not self.turn.lost and not self.stopped and not self.expired()
+
+    async def confirm(self) -> bool:
+        """Whether the turn holds its lease, renewing it first if it may be short."""
+        return self.holds() if self.fresh() else await self.renew_now()
 
     async def renew_now(self) -> bool:
         """Renew the lease now and wait for the answer; whether it is held (locally too)."""

@@ -54,11 +54,7 @@ class RedisLock:
     async def confirm(self) -> bool:
         """Renew the lease now if it may be short, and say whether the block holds it."""
         keeper = self._keeper
-        if keeper is None:
-            return False
-        if keeper.expires - asyncio.get_running_loop().time() >= keeper.lease * 2 / 3:
-            return keeper.holds()
-        return await keeper.renew_now()
+        return keeper is not None and await keeper.confirm()
 
     @property
     def fence(self) -> int | None:

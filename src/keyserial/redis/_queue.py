@@ -12,7 +12,6 @@ import redis.asyncio as redis_asyncio
 from .._cancels import cancel_count, withdraw_cancel
 from .._errors import LeaseLost, awaitable_result, check_function
 from .._fence import register_turn_code
-from .._multikey import check_timeout
 from .._options import WaitOptions
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
@@ -226,7 +225,6 @@ class RedisKeyedQueue:
         ``timeout`` bounds the wait for the turn, as in
         [with_options][keyserial.redis.RedisKeyedQueue.with_options].
         """
-        check_timeout(timeout)
         encoded = encode_key(key)
         return RedisLock(self._turns, self._local.lock(encoded, timeout), encoded, timeout)
 
