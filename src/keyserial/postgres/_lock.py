@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Hashable, Mapping
 from contextvars import Token
 from types import TracebackType
 from typing import Any
@@ -35,7 +36,11 @@ class PostgresLock:
     )
 
     def __init__(
-        self, turns: PostgresTurns, local: KeyLock, keys: tuple[int, ...], timeout: float | None
+        self,
+        turns: PostgresTurns,
+        local: KeyLock,
+        keys: Mapping[int, Hashable],
+        timeout: float | None,
     ) -> None:
         self._turns = turns
         self._local = local  # the in-process queue's lock of the keys

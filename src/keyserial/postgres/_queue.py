@@ -7,7 +7,6 @@ import math
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
-import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from .._errors import awaitable_result, check_function
@@ -20,7 +19,7 @@ from ._connection import register_turn_code as register_connection_code
 from ._ids import lock_id
 from ._lock import PostgresLock
 from ._turn import PgTurn
-from ._turns import PostgresTurns, PostgresUnavailable
+from ._turns import PostgresTurns, turn_error
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -125,12 +124,13 @@ class PostgresKeyedQueue:
         """Seconds a turn's transaction may sit idle before the server ends it."""
         return self._lease
 
-    def _id(self, key: Hashable) -> int:
-        return lock_id(self._namespace, key)
+    def _ids(self, keys: Iterable[Hashable]) -> dict[int, Hashable]:
+        """Each key's advisory-lock id, mapped to the key (which errors name)."""
+        return {lock_id(self._namespace, key): key for key in keys}
 
     async def _turn(
         self,
-        keys: tuple[int, ...],
+        keys: Mapping[int, Hashable],
         fn: Callable[..., Awaitable[T]],
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
@@ -143,11 +143,10 @@ class PostgresKeyedQueue:
             result = await awaitable_result(fn, fn(*args, **kwargs))
         except BaseException as exc:
             await self._turns.leave(task, turn, keeper, failed=True)
-            if isinstance(exc, psycopg.OperationalError) and turn.connection.broken:
-                # The server ended the session (restart, stall past the lease, network):
-                # nothing of the turn was committed.
-                raise PostgresUnavailable(f"the turn's connection was lost: {exc}") from exc
-            raise
+            error = turn_error(exc, turn)
+            if error is exc:
+                raise
+            raise error from exc
         await self._turns.leave(task, turn, keeper, failed=False)
         return result
 
@@ -191,10 +190,10 @@ class PostgresKeyedQueue:
         """
         if group is not None:
             raise ValueError("PostgresKeyedQueue does not coalesce: group= is in-process only")
-        keys = (self._id(key),)
+        ids = self._ids((key,))
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         return await self._local.call(
-            keys[0], self._turn, (keys, fn, args, kwargs, deadline), {}, timeout
+            key, self._turn, (ids, fn, args, kwargs, deadline), {}, timeout
         )
 
     def submit(
@@ -212,10 +211,10 @@ class PostgresKeyedQueue:
         kwargs: dict[str, Any],
         timeout: float | None,
     ) -> asyncio.Task[T]:
-        keys = (self._id(key),)
+        ids = self._ids((key,))
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         local = self._local.with_options(timeout=timeout)
-        return local.submit(keys[0], self._turn, keys, fn, args, kwargs, deadline)
+        return local.submit(key, self._turn, ids, fn, args, kwargs, deadline)
 
     def with_options(self, *, timeout: float | None = None) -> MultiKeyWaitOptions:
         """This queue's ``run``, ``submit``, ``lock``, ``run_all`` and ``lock_all``, each with
@@ -247,8 +246,8 @@ class PostgresKeyedQueue:
                 ``run``.
         """
         check_function(fn, "run_all")
-        ids = tuple(dict.fromkeys(self._id(key) for key in keys))
-        return await self._local.run_all(ids, self._turn, ids, fn, args, kwargs, None)
+        ids = self._ids(keys)
+        return await self._local.run_all(ids.values(), self._turn, ids, fn, args, kwargs, None)
 
     def lock(self, key: Hashable, timeout: float | None = None) -> KeyLock:
         """Hold ``key``'s turn, and its transaction, for the body of an ``async with`` block.
@@ -256,13 +255,13 @@ class PostgresKeyedQueue:
         ``timeout`` bounds the wait, as in
         [with_options][keyserial.postgres.PostgresKeyedQueue.with_options].
         """
-        keys = (self._id(key),)
-        return PostgresLock(self._turns, self._local.lock(keys[0], timeout), keys, timeout)
+        ids = self._ids((key,))
+        return PostgresLock(self._turns, self._local.lock(key, timeout), ids, timeout)
 
     def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
         """Hold the turns of all ``keys`` in one transaction for an ``async with`` block."""
-        ids = tuple(dict.fromkeys(self._id(key) for key in keys))
-        return PostgresLock(self._turns, self._local.lock_all(ids, timeout), ids, timeout)
+        ids = self._ids(keys)
+        return PostgresLock(self._turns, self._local.lock_all(ids.values(), timeout), ids, timeout)
 
     def stats(self) -> QueueStats:
         """This process's share of the queue, as for ``KeyedSerialQueue.stats``."""

@@ -13,19 +13,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Hashable, Mapping
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection, sql
 from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from .._errors import DeadlockError
+from .._errors import DeadlockError, safe_repr
+from ._errors import (
+    CommitInDoubt,
+    LeaseExpired,
+    PoolExhausted,
+    PostgresUnavailable,
+    TurnRolledBack,
+)
 from ._turn import PgTurn, SessionKeeper
 
 Task = asyncio.Task[Any]
+T = TypeVar("T")
 
 logger = logging.getLogger("keyserial")
 
@@ -33,37 +42,28 @@ logger = logging.getLogger("keyserial")
 _SCHEMA_LOCK = 0x6B65797365726961  # "keyseria"
 
 
-class TurnRolledBack(RuntimeError):
-    """The function returned, but its transaction had already failed: nothing was kept.
+async def _cancelled_once(statements: Coroutine[Any, Any, T]) -> T:
+    """Await ``statements`` in a task of their own that is cancelled at most once.
 
-    A database error inside the turn aborts its transaction; a function that catches the
-    error and returns normally would otherwise have its writes rolled back in silence.
-    The turn's transaction was rolled back, and the function's result is not returned.
-    Use a savepoint (``async with connection().transaction():``) around a statement whose
-    error you mean to handle.
-
-    Example:
-        ```pycon
-        >>> issubclass(TurnRolledBack, RuntimeError)
-        True
-
-        ```
+    Cancelled while a statement runs, psycopg asks the server to cancel it and waits until
+    it has. Cancelled again meanwhile, it would close the connection at once, leaving the
+    server's session running the statement, still queued for the lock: an orphan that would
+    take the key when it comes free. So a second cancellation of the caller waits for the
+    first to finish; the caller is cancelled all the same.
     """
+    running = asyncio.ensure_future(statements)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        running.cancel()
+        while not running.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(running)
+        raise
 
 
-class PostgresUnavailable(ConnectionError):
-    """PostgreSQL could not be reached, or the connection broke; the call did not complete.
-
-    Nothing of the call's transaction was committed. Once the server is back, the queue
-    works again without being recreated.
-
-    Example:
-        ```pycon
-        >>> issubclass(PostgresUnavailable, ConnectionError)
-        True
-
-        ```
-    """
+#: The first server version with ``client_connection_check_interval`` (PostgreSQL 14).
+_CHECKS_CLIENT = 140000
 
 
 def _milliseconds(seconds: float) -> str:
@@ -81,6 +81,8 @@ class PostgresTurns:
         #: The fence sequence, named after ``table`` (whose rows fences once came from).
         self.sequence = sql.Identifier(*table[:-1], table[-1] + "_seq")
         self.lease = lease
+        #: How often a statement running in a turn checks that its client is still there.
+        self.check_interval = min(1.0, lease / 3)
         self.table_ready = False
         #: task -> the turn it holds: a call of that task for another key locks it in the
         #: same transaction; for a key it holds, it runs inline.
@@ -127,38 +129,66 @@ class PostgresTurns:
         self.table_ready = True
 
     async def begin(
-        self, keys: Sequence[int], deadline: float | None, loop: asyncio.AbstractEventLoop
+        self, keys: Mapping[int, Hashable], deadline: float | None, loop: asyncio.AbstractEventLoop
     ) -> PgTurn:
-        """Take a connection and lock ``keys`` (ascending) in a new transaction.
+        """Take a connection and lock ``keys`` (lock id -> the caller's key) in a new transaction.
 
         Raises:
             TimeoutError: the deadline passed (waiting for a connection or for the locks).
+            PoolExhausted: no connection of the pool came free within the pool's timeout.
             DeadlockError: PostgreSQL's deadlock detector chose this wait.
             PostgresUnavailable: the server could not be reached, or the connection broke.
         """
         wait = None if deadline is None else deadline - loop.time()
         if wait is not None and wait <= 0:
-            raise TimeoutError("timed out waiting for the turn")
+            raise TimeoutError(f"timed out waiting for the turn of {_naming(keys)}")
         try:
             connection = await self.pool.getconn(timeout=wait)
         except PoolTimeout as exc:
             if deadline is not None and loop.time() >= deadline:
-                raise TimeoutError("timed out waiting for a connection for the turn") from exc
-            raise PostgresUnavailable(f"no PostgreSQL connection: {exc}") from exc
+                raise TimeoutError(
+                    f"timed out waiting for a connection for the turn of {_naming(keys)}"
+                ) from exc
+            unreachable = await self._unreachable()
+            if unreachable is None:
+                raise PoolExhausted(
+                    f"no connection for the turn of {_naming(keys)}: every connection of the "
+                    f"pool (max_size={self.pool.max_size}) stayed in use for its timeout "
+                    f"({self.pool.timeout:g} s); a process holds one per key it runs or waits "
+                    "for in the database: raise the pool's max_size"
+                ) from exc
+            raise PostgresUnavailable(f"PostgreSQL is unreachable: {unreachable}") from exc
         except psycopg.OperationalError as exc:
             raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
         try:
             if not self.table_ready:
                 await self._create_table(connection)
-            return await self._lock(connection, keys, deadline, loop)
+            fence = await self._statements(connection, keys, deadline, loop, begin=True)
         except BaseException:
             await self._discard(connection)
             raise
+        return PgTurn(connection, fence, set(keys))
+
+    async def _unreachable(self) -> str | None:
+        """Why the server cannot be reached, or None if it can (the pool was only full).
+
+        Asked only after the pool gave no connection within its timeout: a pool whose
+        server is down times out the same way as one whose connections are all in use.
+        """
+        try:
+            conninfo: str = await _resolved(self.pool.conninfo)
+            kwargs: dict[str, Any] = dict(await _resolved(self.pool.kwargs) or {})
+            kwargs["connect_timeout"] = 5
+            probe = await psycopg.AsyncConnection.connect(conninfo, **kwargs)
+        except psycopg.Error as exc:
+            return str(exc)
+        await probe.close()
+        return None
 
     async def extend(
         self,
         turn: PgTurn,
-        keys: Sequence[int],
+        keys: Mapping[int, Hashable],
         deadline: float | None,
         loop: asyncio.AbstractEventLoop,
     ) -> int:
@@ -167,20 +197,10 @@ class PostgresTurns:
         turn.keys.update(keys)
         return fence
 
-    async def _lock(
-        self,
-        connection: AsyncConnection[Any],
-        keys: Sequence[int],
-        deadline: float | None,
-        loop: asyncio.AbstractEventLoop,
-    ) -> PgTurn:
-        fence = await self._statements(connection, keys, deadline, loop, begin=True)
-        return PgTurn(connection, fence, set(keys))
-
     async def _statements(
         self,
         connection: AsyncConnection[Any],
-        keys: Sequence[int],
+        keys: Mapping[int, Hashable],
         deadline: float | None,
         loop: asyncio.AbstractEventLoop,
         *,
@@ -190,7 +210,7 @@ class PostgresTurns:
         if deadline is not None:
             left = deadline - loop.time()
             if left <= 0:
-                raise TimeoutError("timed out waiting for the turn")
+                raise TimeoutError(f"timed out waiting for the turn of {_naming(keys)}")
             lock_timeout = _milliseconds(left)
         try:
             if begin:
@@ -199,29 +219,14 @@ class PostgresTurns:
                 # the connection goes back to the pool.
                 self.autocommit[id(connection)] = connection.autocommit
                 await connection.set_autocommit(True)
-            # One round trip: BEGIN, the turn's settings, the locks, the fences.
-            async with connection.pipeline():
-                if begin:
-                    await connection.execute("BEGIN")
-                    await connection.execute(
-                        "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
-                        (_milliseconds(self.lease),),
-                    )
-                await connection.execute(
-                    "SELECT set_config('lock_timeout', %s, true)", (lock_timeout,)
-                )
-                for key in sorted(keys):
-                    await connection.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
-                await connection.execute("SET LOCAL lock_timeout TO DEFAULT")
-                fence = await connection.execute(self.next_fence)  # after the locks: ordered
-            first = await fence.fetchone()
+            first = await _cancelled_once(self._pipeline(connection, keys, lock_timeout, begin))
         except psycopg.errors.LockNotAvailable as exc:
-            raise TimeoutError("timed out waiting for the turn") from exc
+            raise TimeoutError(f"timed out waiting for the turn of {_naming(keys)}") from exc
         except psycopg.errors.DeadlockDetected as exc:
             raise DeadlockError(
-                f"deadlock: PostgreSQL broke a cycle of transactions waiting for each other "
-                f"({exc})",
-                keys=list(keys),
+                f"deadlock: PostgreSQL broke a cycle of transactions waiting for each other, "
+                f"this one waiting for {_naming(keys)}",
+                keys=list(keys.values()),
                 tasks=[],
             ) from exc
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
@@ -229,13 +234,44 @@ class PostgresTurns:
         assert first is not None
         return int(first[0])
 
+    async def _pipeline(
+        self,
+        connection: AsyncConnection[Any],
+        keys: Mapping[int, Hashable],
+        lock_timeout: str,
+        begin: bool,
+    ) -> tuple[Any, ...] | None:
+        """One round trip: BEGIN, the turn's settings, the locks, the fence; the fence's row."""
+        async with connection.pipeline():
+            if begin:
+                await connection.execute("BEGIN")
+                await connection.execute(
+                    "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
+                    (_milliseconds(self.lease),),
+                )
+                if connection.info.server_version >= _CHECKS_CLIENT:
+                    # A holder killed inside a long statement closes its socket; the server
+                    # notices within this interval and ends the turn, instead of when the
+                    # statement ends.
+                    await connection.execute(
+                        "SELECT set_config('client_connection_check_interval', %s, true)",
+                        (_milliseconds(self.check_interval),),
+                    )
+            await connection.execute("SELECT set_config('lock_timeout', %s, true)", (lock_timeout,))
+            for key in sorted(keys):
+                await connection.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
+            await connection.execute("SET LOCAL lock_timeout TO DEFAULT")
+            fence = await connection.execute(self.next_fence)  # after the locks: ordered
+        return await fence.fetchone()
+
     async def commit(self, turn: PgTurn) -> None:
         """End the turn: commit its transaction (the locks go with it), give the connection back.
 
         Raises:
             TurnRolledBack: the transaction had failed already; it was rolled back.
-            PostgresUnavailable: the commit did not go through (the session was ended or the
-                connection broke): nothing of the turn was kept.
+            LeaseExpired: the server had ended the session (idle past the lease).
+            PostgresUnavailable: the session was gone before the commit: nothing was kept.
+            CommitInDoubt: the connection broke while the commit was on its way.
         """
         connection = turn.connection
         if connection.pgconn.transaction_status == TransactionStatus.INERROR:
@@ -245,16 +281,17 @@ class PostgresTurns:
                 "the turn's transaction failed before the function returned (a database error "
                 "was caught inside the turn, or a nested turn failed); nothing of it was kept"
             )
+        if connection.broken or connection.closed:
+            await self._discard(connection)
+            raise PostgresUnavailable("the turn's connection was lost before its commit")
         try:
             await connection.execute("COMMIT")
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+        except BaseException as exc:
             await self._discard(connection)
-            raise PostgresUnavailable(
-                f"the turn's transaction could not be committed: {exc}"
-            ) from exc
-        except BaseException:
-            await self._discard(connection)
-            raise
+            error = _commit_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
         await connection.set_autocommit(self.autocommit.pop(id(connection), False))
         await self.pool.putconn(connection)
 
@@ -280,13 +317,13 @@ class PostgresTurns:
             await self.pool.putconn(connection)
 
     async def enter(
-        self, task: Task, keys: Sequence[int], deadline: float | None
+        self, task: Task, keys: Mapping[int, Hashable], deadline: float | None
     ) -> tuple[PgTurn, SessionKeeper | None]:
         """``task``'s turn of ``keys``, and its keeper (None: it runs inside an outer turn)."""
         loop = asyncio.get_running_loop()
         outer = self.held.get(task)
         if outer is not None:
-            missing = [key for key in keys if key not in outer.keys]
+            missing = {key: name for key, name in keys.items() if key not in outer.keys}
             if not missing:  # re-entry: the outer turn holds every key
                 return outer, None
             fence = await self.extend(outer, missing, deadline, loop)
@@ -303,7 +340,8 @@ class PostgresTurns:
         A turn inside an outer one (``keeper`` None) ends with the outer turn.
 
         Raises:
-            PostgresUnavailable: the commit did not go through; nothing of the turn was kept.
+            TurnRolledBack, LeaseExpired, PostgresUnavailable, CommitInDoubt: as for
+                ``commit``.
         """
         if keeper is None:
             return
@@ -313,3 +351,52 @@ class PostgresTurns:
             await self.rollback(turn)
         else:
             await self.commit(turn)
+
+
+def turn_error(exc: BaseException, turn: PgTurn) -> BaseException:
+    """What a call reports when its function raised ``exc`` inside ``turn``.
+
+    The server ending the turn's session is reported as the backend's own error; any other
+    exception, the function's own, reaches the caller unchanged.
+    """
+    if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout):
+        return LeaseExpired(
+            "the server ended the turn's session: its transaction sat idle longer than the "
+            f"lease; nothing of it was kept ({exc})"
+        )
+    if isinstance(exc, psycopg.OperationalError) and turn.connection.broken:
+        # The server ended the session (restart, network): nothing of the turn was committed.
+        return PostgresUnavailable(f"the turn's connection was lost: {exc}")
+    return exc
+
+
+def _commit_error(exc: BaseException) -> BaseException:
+    """What a failed ``COMMIT`` means for the turn's writes."""
+    if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout):
+        return LeaseExpired(
+            "the server ended the turn's session before its commit: its transaction sat idle "
+            f"longer than the lease; nothing of it was kept ({exc})"
+        )
+    if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+        if exc.sqlstate is not None or isinstance(exc, psycopg.InterfaceError):
+            # The server answered with an error, or the connection was closed before the
+            # COMMIT could be sent: it was not committed.
+            return PostgresUnavailable(f"the turn's transaction could not be committed: {exc}")
+        return CommitInDoubt(
+            "the connection broke while the turn's COMMIT was on its way: its writes may or may "
+            f"not have been kept; read them back before retrying ({exc})"
+        )
+    return exc
+
+
+async def _resolved(setting: object) -> Any:
+    """A pool setting's value: the pool may hold it as a function, sync or async."""
+    value = setting() if callable(setting) else setting
+    return await value if inspect.isawaitable(value) else value
+
+
+def _naming(keys: Mapping[int, Hashable]) -> str:
+    names = list(keys.values())
+    if len(names) == 1:
+        return f"key {safe_repr(names[0])}"
+    return f"keys {safe_repr(names)}"
