@@ -6,7 +6,11 @@ python -m tests.postgres_worker DSN log SEED CALLS KEYS
     fold the call into ``state`` (state = state * 31 + call): all in the turn's transaction
 python -m tests.postgres_worker DSN hold KEY LEASE
     take KEY's turn, write a "partial" row, print "holding", wait for a line on stdin,
-    then write a "final" row and print "committed", or "failed" if that was refused
+    then write a "final" row and print "committed", or "failed: <error>" if that was refused
+python -m tests.postgres_worker DSN hold-idle KEY LEASE
+    the same, without the "partial" row: "holding" comes before the turn's first statement
+python -m tests.postgres_worker DSN sleep KEY LEASE
+    take KEY's turn, print "holding", and run ``SELECT pg_sleep(60)`` in it
 """
 
 from __future__ import annotations
@@ -72,14 +76,18 @@ async def log_calls(dsn: str, seed: int, calls: int, keys: int) -> None:
     say("done")
 
 
-async def hold(dsn: str, key: str, lease: float) -> None:
+async def hold(dsn: str, key: str, lease: float, mode: str = "hold") -> None:
     async with AsyncConnectionPool(dsn, min_size=1, max_size=2, open=False) as pool:
         queue = PostgresKeyedQueue(pool, namespace="faults", lease=lease)
         pid = os.getpid()
 
         async def turn() -> None:
             conn = connection()
-            await conn.execute("INSERT INTO writes VALUES (%s, 'partial', %s)", (key, pid))
+            if mode == "sleep":
+                say("holding")
+                await conn.execute("SELECT pg_sleep(60)")
+            if mode == "hold":
+                await conn.execute("INSERT INTO writes VALUES (%s, 'partial', %s)", (key, pid))
             say("holding")
             await asyncio.to_thread(sys.stdin.readline)
             await conn.execute("INSERT INTO writes VALUES (%s, 'final', %s)", (key, pid))
@@ -103,8 +111,8 @@ def main() -> None:
     dsn, mode, *rest = sys.argv[1:]
     if mode == "log":
         asyncio.run(log_calls(dsn, int(rest[0]), int(rest[1]), int(rest[2])))
-    elif mode == "hold":
-        asyncio.run(hold(dsn, rest[0], float(rest[1])))
+    elif mode in ("hold", "hold-idle", "sleep"):
+        asyncio.run(hold(dsn, rest[0], float(rest[1]), mode))
 
 
 if __name__ == "__main__":

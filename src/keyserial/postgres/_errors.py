@@ -113,3 +113,19 @@ class PoolExhausted(PostgresError, TimeoutError):
 
         ```
     """
+
+
+class SetupRequired(PostgresError, RuntimeError):
+    """The fence sequence does not exist, and the application's role may not create it.
+
+    Make it once, as a role that may create objects in the schema:
+    ``python -m keyserial.postgres setup <dsn> --grant <app role>``, or the SQL of
+    [setup_sql][keyserial.postgres.setup_sql] in a migration.
+
+    Example:
+        ```pycon
+        >>> issubclass(SetupRequired, PostgresError)
+        True
+
+        ```
+    """

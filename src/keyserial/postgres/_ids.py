@@ -16,6 +16,8 @@ def lock_id(namespace: str, key: object) -> int:
     other; nothing else goes wrong.
 
     Raises:
+        ValueError: ``namespace`` contains a NUL character (it ends the namespace in the
+            hashed bytes, so ``"a\\0b"`` would share ids with namespace ``"a"``).
         TypeError: ``key`` is not a str, bytes, int or a tuple of them.
         ValueError: tuples in ``key`` nest too deep.
 
@@ -28,6 +30,8 @@ def lock_id(namespace: str, key: object) -> int:
 
         ```
     """
+    if "\0" in namespace:
+        raise ValueError(f"namespace must not contain a NUL character, got {namespace!r}")
     data = namespace.encode() + b"\0" + serialize_key(key, "PostgresKeyedQueue")
     digest = hashlib.blake2b(data, digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)

@@ -66,7 +66,7 @@ class PostgresKeyedQueue:
     Raises:
         TypeError: ``pool`` is not a ``psycopg_pool.AsyncConnectionPool``, or
             ``namespace`` is not a ``str``.
-        ValueError: ``namespace`` is empty, or ``lease`` is not a finite number of
+        ValueError: ``namespace`` is empty or contains NUL, or ``lease`` is not a finite number of
             seconds of at least ``MIN_LEASE``.
 
     Example:
@@ -109,6 +109,8 @@ class PostgresKeyedQueue:
             raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
+        if "\0" in namespace:
+            raise ValueError(f"namespace must not contain a NUL character, got {namespace!r}")
         if not (isinstance(lease, (int, float)) and math.isfinite(lease) and lease >= MIN_LEASE):
             raise ValueError(
                 f"lease must be a finite number of seconds >= {MIN_LEASE}, got {lease!r}"
@@ -116,8 +118,7 @@ class PostgresKeyedQueue:
         self._namespace = namespace
         self._lease = float(lease)
         self._local = KeyedSerialQueue(max_pending=max_pending)
-        name = (table,) if schema is None else (schema, table)
-        self._turns = PostgresTurns(pool, name, self._lease)
+        self._turns = PostgresTurns(pool, table, schema, self._lease)
 
     @property
     def lease(self) -> float:
@@ -143,7 +144,7 @@ class PostgresKeyedQueue:
             result = await awaitable_result(fn, fn(*args, **kwargs))
         except BaseException as exc:
             await self._turns.leave(task, turn, keeper, failed=True)
-            error = turn_error(exc, turn)
+            error = turn_error(exc, turn, keeper)
             if error is exc:
                 raise
             raise error from exc

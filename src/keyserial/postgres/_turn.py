@@ -36,16 +36,30 @@ class SessionKeeper:
     and loses its turn.
     """
 
-    __slots__ = ("connection", "lease", "loop", "ping", "timer")
+    __slots__ = ("connection", "lease", "loop", "ping", "stalled", "ticked", "timer")
 
     def __init__(self, connection: AsyncConnection[Any], lease: float) -> None:
         self.connection = connection
         self.lease = lease
         self.loop = asyncio.get_running_loop()
         self.ping: asyncio.Task[None] | None = None
+        #: When the keeper last ran, and whether the process ever went a lease without it.
+        self.ticked = self.loop.time()
+        self.stalled = False
         self.timer = self.loop.call_later(lease / 3, self._due)
 
+    def stalled_past_lease(self) -> bool:
+        """Whether this process stopped running for longer than the lease during the turn.
+
+        The keeper runs every third of the lease; a gap longer than the lease means the
+        process was stopped or its loop blocked, and the server, seeing the transaction
+        idle for that long, has ended the session.
+        """
+        return self.stalled or self.loop.time() - self.ticked > self.lease
+
     def _due(self) -> None:
+        self.stalled = self.stalled_past_lease()
+        self.ticked = self.loop.time()
         self.ping = self.loop.create_task(self._ping())
 
     async def _ping(self) -> None:

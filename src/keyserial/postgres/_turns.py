@@ -31,15 +31,13 @@ from ._errors import (
     PostgresUnavailable,
     TurnRolledBack,
 )
+from ._setup import ensure_sequence, sequence
 from ._turn import PgTurn, SessionKeeper
 
 Task = asyncio.Task[Any]
 T = TypeVar("T")
 
 logger = logging.getLogger("keyserial")
-
-#: The advisory lock taken while the fence table is created (by whichever process is first).
-_SCHEMA_LOCK = 0x6B65797365726961  # "keyseria"
 
 
 async def _cancelled_once(statements: Coroutine[Any, Any, T]) -> T:
@@ -70,63 +68,37 @@ def _milliseconds(seconds: float) -> str:
     return f"{max(1, int(seconds * 1000))}ms"
 
 
+def _setting(name: str, seconds: float) -> sql.Composed:
+    """``SELECT set_config(name, '...ms', true)``: a setting of the turn's transaction only."""
+    return sql.SQL("SELECT set_config({}, {}, true)").format(
+        sql.Literal(name), sql.Literal(_milliseconds(seconds))
+    )
+
+
 class PostgresTurns:
     """Turns of one queue's keys, as transactions on connections of the application's pool."""
 
     def __init__(
-        self, pool: AsyncConnectionPool[Any], table: tuple[str, ...], lease: float
+        self, pool: AsyncConnectionPool[Any], table: str, schema: str | None, lease: float
     ) -> None:
         self.pool = pool
-        self.table = sql.Identifier(*table)
-        #: The fence sequence, named after ``table`` (whose rows fences once came from).
-        self.sequence = sql.Identifier(*table[:-1], table[-1] + "_seq")
+        #: Name the fence sequence, ``<table>_seq``, and the fence table of earlier versions.
+        self.table = table
+        self.schema = schema
+        self.sequence = sequence(table, schema)
         self.lease = lease
         #: How often a statement running in a turn checks that its client is still there.
         self.check_interval = min(1.0, lease / 3)
+        #: Whether the fence sequence is known to exist.
         self.table_ready = False
         #: task -> the turn it holds: a call of that task for another key locks it in the
         #: same transaction; for a key it holds, it runs inline.
         self.held: dict[Task, PgTurn] = {}
         #: The autocommit setting each lent connection had in the pool, restored on return.
         self.autocommit: dict[int, bool] = {}
-        quoted = ('"' + part.replace('"', '""') + '"' for part in (*table[:-1], table[-1] + "_seq"))
-        self.next_fence = sql.SQL("SELECT nextval({})").format(sql.Literal(".".join(quoted)))
-
-    async def _create_table(self, connection: AsyncConnection[Any]) -> None:
-        """Create the fence sequence if it is missing (by whichever process is first).
-
-        Fences continue above those of a fence table of an earlier version, if there is one.
-        A role without ``CREATE`` on the schema can use a sequence made beforehand.
-        """
-        async with connection.transaction():
-            found = await connection.execute(
-                "SELECT to_regclass(%s)", (self.sequence.as_string(connection),)
-            )
-            row = await found.fetchone()
-            if row is not None and row[0] is not None:
-                self.table_ready = True
-                return
-            await connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-            await connection.execute(
-                sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(self.sequence)
-            )
-            old = await connection.execute(
-                "SELECT to_regclass(%s)",
-                (self.table.as_string(connection),),
-            )
-            row = await old.fetchone()
-            if row is not None and row[0] is not None:
-                await connection.execute(
-                    sql.SQL(
-                        "SELECT setval({seq}, max(fence)) FROM {table} "
-                        "HAVING max(fence) > (SELECT last_value FROM {seq_name})"
-                    ).format(
-                        seq=sql.Literal(self.sequence.as_string(connection)),
-                        table=self.table,
-                        seq_name=self.sequence,
-                    )
-                )
-        self.table_ready = True
+        self.next_fence = sql.SQL("SELECT nextval({})").format(
+            sql.Literal(self.sequence.as_string(None))
+        )
 
     async def begin(
         self, keys: Mapping[int, Hashable], deadline: float | None, loop: asyncio.AbstractEventLoop
@@ -162,7 +134,8 @@ class PostgresTurns:
             raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
         try:
             if not self.table_ready:
-                await self._create_table(connection)
+                await ensure_sequence(connection, self.table, self.schema)
+                self.table_ready = True
             fence = await self._statements(connection, keys, deadline, loop, begin=True)
         except BaseException:
             await self._discard(connection)
@@ -241,31 +214,40 @@ class PostgresTurns:
         lock_timeout: str,
         begin: bool,
     ) -> tuple[Any, ...] | None:
-        """One round trip: BEGIN, the turn's settings, the locks, the fence; the fence's row."""
-        async with connection.pipeline():
-            if begin:
-                await connection.execute("BEGIN")
-                await connection.execute(
-                    "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
-                    (_milliseconds(self.lease),),
-                )
-                if connection.info.server_version >= _CHECKS_CLIENT:
-                    # A holder killed inside a long statement closes its socket; the server
-                    # notices within this interval and ends the turn, instead of when the
-                    # statement ends.
-                    await connection.execute(
-                        "SELECT set_config('client_connection_check_interval', %s, true)",
-                        (_milliseconds(self.check_interval),),
-                    )
-            await connection.execute("SELECT set_config('lock_timeout', %s, true)", (lock_timeout,))
-            for key in sorted(keys):
-                await connection.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
-            await connection.execute("SET LOCAL lock_timeout TO DEFAULT")
-            fence = await connection.execute(self.next_fence)  # after the locks: ordered
-        return await fence.fetchone()
+        """One round trip: BEGIN, the turn's settings, the locks, the fence; the fence's row.
 
-    async def commit(self, turn: PgTurn) -> None:
+        Sent as one simple query of several statements, not in pipeline mode: the server
+        arms its idle-in-transaction timer after a simple query, but not after the Sync
+        that ends a pipeline, and without that timer a holder stopped before its first
+        statement would keep the key for as long as it stays stopped.
+        """
+        statements: list[sql.Composable] = []
+        if begin:
+            statements.append(sql.SQL("BEGIN"))
+            statements.append(_setting("idle_in_transaction_session_timeout", self.lease))
+            if connection.info.server_version >= _CHECKS_CLIENT:
+                # A holder killed inside a long statement closes its socket; the server
+                # notices within this interval and ends the turn, instead of when the
+                # statement ends.
+                statements.append(_setting("client_connection_check_interval", self.check_interval))
+        statements.append(
+            sql.SQL("SELECT set_config('lock_timeout', {}, true)").format(sql.Literal(lock_timeout))
+        )
+        statements.extend(
+            sql.SQL("SELECT pg_advisory_xact_lock({})").format(sql.Literal(key))
+            for key in sorted(keys)
+        )
+        statements.append(sql.SQL("SET LOCAL lock_timeout TO DEFAULT"))
+        statements.append(self.next_fence)  # after the locks: ordered
+        cursor = await connection.execute(sql.SQL("; ").join(statements))
+        while cursor.nextset():  # the fence is the last statement's row
+            pass
+        return await cursor.fetchone()
+
+    async def commit(self, turn: PgTurn, *, stalled: bool = False) -> None:
         """End the turn: commit its transaction (the locks go with it), give the connection back.
+
+        ``stalled``: the process stopped running for longer than the lease during the turn.
 
         Raises:
             TurnRolledBack: the transaction had failed already; it was rolled back.
@@ -283,12 +265,14 @@ class PostgresTurns:
             )
         if connection.broken or connection.closed:
             await self._discard(connection)
+            if stalled:
+                raise _lease_expired("before its commit")
             raise PostgresUnavailable("the turn's connection was lost before its commit")
         try:
             await connection.execute("COMMIT")
         except BaseException as exc:
             await self._discard(connection)
-            error = _commit_error(exc)
+            error = _commit_error(exc, stalled)
             if error is exc:
                 raise
             raise error from exc
@@ -346,47 +330,57 @@ class PostgresTurns:
         if keeper is None:
             return
         del self.held[task]
+        stalled = keeper.stalled_past_lease()
         await keeper.stop()
         if failed:
             await self.rollback(turn)
         else:
-            await self.commit(turn)
+            await self.commit(turn, stalled=stalled)
 
 
-def turn_error(exc: BaseException, turn: PgTurn) -> BaseException:
+def turn_error(exc: BaseException, turn: PgTurn, keeper: SessionKeeper | None) -> BaseException:
     """What a call reports when its function raised ``exc`` inside ``turn``.
 
     The server ending the turn's session is reported as the backend's own error; any other
     exception, the function's own, reaches the caller unchanged.
     """
-    if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout):
-        return LeaseExpired(
-            "the server ended the turn's session: its transaction sat idle longer than the "
-            f"lease; nothing of it was kept ({exc})"
-        )
+    if not isinstance(exc, psycopg.Error):
+        return exc
+    stalled = keeper is not None and keeper.stalled_past_lease()
+    if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout) or (
+        stalled and turn.connection.broken
+    ):
+        return _lease_expired(f"({exc})")
     if isinstance(exc, psycopg.OperationalError) and turn.connection.broken:
         # The server ended the session (restart, network): nothing of the turn was committed.
         return PostgresUnavailable(f"the turn's connection was lost: {exc}")
     return exc
 
 
-def _commit_error(exc: BaseException) -> BaseException:
+def _lease_expired(detail: str) -> LeaseExpired:
+    return LeaseExpired(
+        "the server ended the turn's session: its transaction sat idle longer than the lease "
+        f"while this process was stopped; nothing of it was kept {detail}"
+    )
+
+
+def _commit_error(exc: BaseException, stalled: bool) -> BaseException:
     """What a failed ``COMMIT`` means for the turn's writes."""
     if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout):
-        return LeaseExpired(
-            "the server ended the turn's session before its commit: its transaction sat idle "
-            f"longer than the lease; nothing of it was kept ({exc})"
-        )
-    if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
-        if exc.sqlstate is not None or isinstance(exc, psycopg.InterfaceError):
-            # The server answered with an error, or the connection was closed before the
-            # COMMIT could be sent: it was not committed.
-            return PostgresUnavailable(f"the turn's transaction could not be committed: {exc}")
-        return CommitInDoubt(
-            "the connection broke while the turn's COMMIT was on its way: its writes may or may "
-            f"not have been kept; read them back before retrying ({exc})"
-        )
-    return exc
+        return _lease_expired(f"before its commit ({exc})")
+    if not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+        return exc
+    if stalled:
+        # Idle past the lease, the session was ended before the COMMIT could arrive.
+        return _lease_expired(f"before its commit ({exc})")
+    if exc.sqlstate is not None or isinstance(exc, psycopg.InterfaceError):
+        # The server answered with an error, or the connection was closed before the
+        # COMMIT could be sent: it was not committed.
+        return PostgresUnavailable(f"the turn's transaction could not be committed: {exc}")
+    return CommitInDoubt(
+        "the connection broke while the turn's COMMIT was on its way: its writes may or may "
+        f"not have been kept; read them back before retrying ({exc})"
+    )
 
 
 async def _resolved(setting: object) -> Any:

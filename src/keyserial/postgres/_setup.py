@@ -1,0 +1,137 @@
+"""The fence sequence: the one database object the queue needs, and how an operator makes it.
+
+A role that may create objects in the schema gets the sequence made on first use. A role with
+less (the usual application role) needs it made beforehand, once, by ``setup_sql()`` in a
+migration or by ``python -m keyserial.postgres setup``; it then needs only ``USAGE`` on the
+schema and on the sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+import psycopg
+from psycopg import AsyncConnection, sql
+
+from ._errors import SetupRequired
+
+#: The advisory lock taken while the sequence is created (by whichever process is first).
+_SETUP_LOCK = 0x6B65797365726961  # "keyseria"
+
+DEFAULT_TABLE = "keyserial_fences"
+
+
+def sequence(table: str = DEFAULT_TABLE, schema: str | None = None) -> sql.Identifier:
+    """The fence sequence of a queue made with ``table=`` and ``schema=``: ``<table>_seq``."""
+    return sql.Identifier(*(() if schema is None else (schema,)), table + "_seq")
+
+
+def setup_sql(
+    *, table: str = DEFAULT_TABLE, schema: str | None = None, grant_to: str | None = None
+) -> str:
+    """The SQL that makes the fence sequence of a queue, for a migration tool.
+
+    Run it once, as a role that may create objects in the schema, with the same ``table``
+    and ``schema`` the queue is given. ``grant_to`` names the application's role, which then
+    needs no ``CREATE`` privilege: ``USAGE`` on the schema and on the sequence are enough.
+
+    Example:
+        ```pycon
+        >>> print(setup_sql(grant_to="app"))
+        CREATE SEQUENCE IF NOT EXISTS "keyserial_fences_seq";
+        GRANT USAGE ON SEQUENCE "keyserial_fences_seq" TO "app";
+
+        ```
+    """
+    name = sequence(table, schema)
+    lines = [sql.SQL("CREATE SEQUENCE IF NOT EXISTS {};").format(name)]
+    if grant_to is not None:
+        lines.append(
+            sql.SQL("GRANT USAGE ON SEQUENCE {} TO {};").format(name, sql.Identifier(grant_to))
+        )
+    return "\n".join(line.as_string(None) for line in lines)
+
+
+async def ensure_sequence(connection: AsyncConnection[Any], table: str, schema: str | None) -> None:
+    """Make the fence sequence if it is missing (by whichever process is first).
+
+    Fences continue above those of the fence table an earlier version kept, if there is one.
+
+    Raises:
+        SetupRequired: the sequence is missing and this role may not create it.
+    """
+    name = sequence(table, schema)
+    async with connection.transaction():
+        if await _exists(connection, name):
+            return
+        await connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK,))
+        try:
+            await connection.execute(sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(name))
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise SetupRequired(
+                f"the fence sequence {name.as_string(connection)} does not exist, and this role "
+                "may not create it: run 'python -m keyserial.postgres setup <dsn> --grant <role>' "
+                "or the SQL of keyserial.postgres.setup_sql() once, as a role that may"
+            ) from exc
+        old_table = sql.Identifier(*(() if schema is None else (schema,)), table)
+        if await _exists(connection, old_table):
+            await connection.execute(
+                sql.SQL(
+                    "SELECT setval({seq}, max(fence)) FROM {table} "
+                    "HAVING max(fence) > (SELECT last_value FROM {name})"
+                ).format(seq=sql.Literal(name.as_string(connection)), table=old_table, name=name)
+            )
+
+
+async def _exists(connection: AsyncConnection[Any], name: sql.Identifier) -> bool:
+    found = await connection.execute("SELECT to_regclass(%s)", (name.as_string(connection),))
+    row = await found.fetchone()
+    return row is not None and row[0] is not None
+
+
+async def setup(
+    conninfo: str,
+    *,
+    table: str = DEFAULT_TABLE,
+    schema: str | None = None,
+    grant_to: str | None = None,
+) -> None:
+    """Make the fence sequence on the database at ``conninfo``, and grant its use.
+
+    Raises:
+        SetupRequired: the role of ``conninfo`` may not create the sequence.
+        psycopg.OperationalError: the database could not be reached.
+    """
+    async with await AsyncConnection.connect(conninfo) as connection:
+        await ensure_sequence(connection, table, schema)
+        if grant_to is not None:
+            await connection.execute(
+                sql.SQL("GRANT USAGE ON SEQUENCE {} TO {}").format(
+                    sequence(table, schema), sql.Identifier(grant_to)
+                )
+            )
+        await connection.commit()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m keyserial.postgres setup DSN [--table T] [--schema S] [--grant ROLE]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m keyserial.postgres",
+        description="Make the fence sequence a PostgresKeyedQueue needs (once, as a role "
+        "that may create objects in the schema).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser("setup", help="create the fence sequence and grant its use")
+    command.add_argument("dsn", help="a connection string, e.g. postgresql://admin@db/app")
+    command.add_argument("--table", default=DEFAULT_TABLE, help="the queue's table= argument")
+    command.add_argument("--schema", default=None, help="the queue's schema= argument")
+    command.add_argument("--grant", default=None, metavar="ROLE", help="the application's role")
+    command.add_argument("--print", action="store_true", help="print the SQL instead of running it")
+    args = parser.parse_args(argv)
+    if args.print:
+        print(setup_sql(table=args.table, schema=args.schema, grant_to=args.grant))
+        return
+    asyncio.run(setup(args.dsn, table=args.table, schema=args.schema, grant_to=args.grant))
+    print(f"the fence sequence {args.table}_seq is ready")

@@ -1,0 +1,372 @@
+"""The PostgreSQL backend under the faults users of a database lock meet first: a commit whose
+reply is lost, a holder killed inside a long statement or stopped before its first one, double
+cancellation, an exhausted pool, a role without CREATE (against the real server)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+import pytest_asyncio
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg_pool import AsyncConnectionPool
+
+from keyserial import DeadlockError, current_fence
+from keyserial.postgres import (
+    CommitInDoubt,
+    PoolExhausted,
+    PostgresKeyedQueue,
+    SetupRequired,
+    connection,
+    lock_id,
+    setup_sql,
+)
+
+from .conftest import Pools
+from .test_postgres_processes import ROOT, Holder
+
+pytestmark = pytest.mark.asyncio
+
+
+class CommitCutter:
+    """A TCP proxy to the server that, once armed, lets the next ``COMMIT`` through and drops
+    the connection before the server's reply reaches the client: the commit happened, and
+    the client cannot know it."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.armed = False
+        self.cut = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(
+        self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
+    ) -> None:
+        server_in, server_out = await asyncio.open_connection(self.host, self.port)
+        dropping = False
+
+        async def upstream() -> None:
+            nonlocal dropping
+            while data := await client_in.read(65536):
+                if self.armed and b"COMMIT\x00" in data:
+                    self.armed, dropping = False, True
+                server_out.write(data)
+                await server_out.drain()
+
+        async def downstream() -> None:
+            while data := await server_in.read(65536):
+                if dropping:  # the server's reply to the COMMIT: never delivered
+                    client_out.transport.abort()
+                    server_out.close()
+                    self.cut.set()
+                    return
+                client_out.write(data)
+                await client_out.drain()
+
+        pumps = [asyncio.ensure_future(upstream()), asyncio.ensure_future(downstream())]
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            client_out.transport.abort()
+            server_out.transport.abort()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+async def test_a_commit_whose_reply_is_lost_is_reported_in_doubt(postgres_dsn: str) -> None:
+    params = conninfo_to_dict(postgres_dsn)
+    cutter = CommitCutter(str(params.get("host", "127.0.0.1")), int(str(params.get("port", 5432))))
+    port = await cutter.start()
+    through = make_conninfo(postgres_dsn, host="127.0.0.1", port=port, sslmode="disable")
+    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as admin:
+        await admin.execute("CREATE TABLE segment (id text PRIMARY KEY, text text NOT NULL)")
+        try:
+            async with AsyncConnectionPool(through, min_size=1, max_size=2, open=False) as pool:
+                queue = PostgresKeyedQueue(pool, namespace="doubt")
+
+                async def save(seg_id: str, cut: bool) -> str:
+                    await connection().execute(
+                        "INSERT INTO segment VALUES (%s, 'final')", (seg_id,)
+                    )
+                    cutter.armed = cut
+                    return "saved"
+
+                with pytest.raises(CommitInDoubt, match="may or may not have been kept"):
+                    await asyncio.wait_for(queue.run("s1", save, "s1", True), timeout=20)
+                assert cutter.cut.is_set()
+                # It was committed: "nothing was kept" would have been a lie.
+                rows = await (await admin.execute("SELECT id FROM segment")).fetchall()
+                assert rows == [("s1",)]
+                assert await asyncio.wait_for(queue.run("s2", save, "s2", False), 20) == "saved"
+        finally:
+            await cutter.close()
+
+
+async def test_a_holder_killed_inside_a_long_statement_frees_the_key_within_seconds(
+    postgres_dsn: str,
+) -> None:
+    holder = Holder(postgres_dsn, "k", 10.0, mode="sleep")  # SELECT pg_sleep(60) in its turn
+    try:
+        assert await holder.line() == "holding"
+        await asyncio.sleep(0.2)  # let the statement start
+        holder.process.send_signal(signal.SIGKILL)
+        async with AsyncConnectionPool(postgres_dsn, min_size=1, max_size=2, open=False) as pool:
+            queue = PostgresKeyedQueue(pool, namespace="faults", lease=10.0)
+
+            async def nothing() -> str:
+                return "ran"
+
+            # Without the server's check for a vanished client, the key stays held until the
+            # holder's statement ends, a minute later.
+            assert await queue.with_options(timeout=15).run("k", nothing) == "ran"
+    finally:
+        holder.close()
+
+
+async def test_a_holder_stopped_before_its_first_statement_loses_the_key_after_its_lease(
+    postgres_dsn: str,
+) -> None:
+    from .postgres_worker import create_schema
+
+    create_schema(postgres_dsn)
+    holder = Holder(postgres_dsn, "k", 0.5, mode="hold-idle")
+    try:
+        assert await holder.line() == "holding"  # its turn is open; it sent no statement yet
+        holder.process.send_signal(signal.SIGSTOP)
+        async with AsyncConnectionPool(postgres_dsn, min_size=1, max_size=2, open=False) as pool:
+            queue = PostgresKeyedQueue(pool, namespace="faults", lease=10.0)
+
+            async def nothing() -> str:
+                return "ran"
+
+            # The holder stays stopped throughout: only its lease can free the key.
+            assert await queue.with_options(timeout=15).run("k", nothing) == "ran"
+        holder.process.send_signal(signal.SIGCONT)
+        holder.send("go on")
+        assert await holder.line() == "failed: LeaseExpired"
+    finally:
+        holder.close()
+
+
+async def _waiting_on_locks(dsn: str, application: str) -> int:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cursor = await conn.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE application_name = %s AND wait_event_type = 'Lock'",
+            (application,),
+        )
+        row = await cursor.fetchone()
+        return int(row[0]) if row else 0
+
+
+async def test_cancelling_a_waiting_call_twice_leaves_no_session_waiting_on_the_server(
+    postgres_dsn: str,
+) -> None:
+    application = f"keyserial-{secrets.token_hex(4)}"
+    dsn = make_conninfo(postgres_dsn, application_name=application)
+    async with AsyncConnectionPool(dsn, min_size=1, max_size=20, open=False) as pool:
+        await pool.open(wait=True)
+        held, release = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:
+            held.set()
+            await release.wait()
+
+        async def nothing() -> None:
+            pass
+
+        holder = asyncio.create_task(PostgresKeyedQueue(pool, namespace="c").run("k", hold))
+        await asyncio.wait_for(held.wait(), timeout=10)
+        # Separate queues: each is a process of its own, each with a wait on the server.
+        waiters = [
+            asyncio.create_task(PostgresKeyedQueue(pool, namespace="c").run("k", nothing))
+            for _ in range(8)
+        ]
+        for _ in range(200):
+            if await _waiting_on_locks(postgres_dsn, application) == len(waiters):
+                break
+            await asyncio.sleep(0.02)
+        assert await _waiting_on_locks(postgres_dsn, application) == len(waiters)
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.sleep(0)  # psycopg starts cancelling each statement on the server...
+        for waiter in waiters:
+            waiter.cancel()  # ...and is interrupted again
+        outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+        assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
+        # Every wait is gone from the server, not left running behind a closed connection.
+        assert await _waiting_on_locks(postgres_dsn, application) == 0
+        release.set()
+        await holder
+        stats = pool.get_stats()
+        assert stats["pool_size"] == stats["pool_available"]
+
+
+async def test_an_exhausted_pool_is_reported_as_such(pools: Pools) -> None:
+    pool = await pools(max_size=1, timeout=0.5)
+    queue = PostgresKeyedQueue(pool, namespace="exhausted")
+    held, release = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        held.set()
+        await release.wait()
+
+    async def nothing() -> None:
+        pass
+
+    holder = asyncio.create_task(queue.run("a", hold))  # holds the pool's only connection
+    await asyncio.wait_for(held.wait(), timeout=10)
+    with pytest.raises(PoolExhausted, match=r"key 'b'.*max_size=1") as caught:
+        await queue.run("b", nothing)
+    assert isinstance(caught.value, TimeoutError)
+    release.set()
+    await holder
+    await queue.run("b", nothing)
+
+
+async def test_timeouts_and_deadlocks_name_the_callers_keys(pools: Pools) -> None:
+    queue = PostgresKeyedQueue(await pools(), namespace="names")
+    other = PostgresKeyedQueue(await pools(), namespace="names")  # another process
+    third = PostgresKeyedQueue(await pools(), namespace="names")  # and a third
+    ids = [str(lock_id("names", key)) for key in ("seg-1", "seg-2")]
+    held, release = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        held.set()
+        await release.wait()
+
+    async def nothing() -> None:
+        pass
+
+    holder = asyncio.create_task(other.run("seg-1", hold))
+    await asyncio.wait_for(held.wait(), timeout=10)
+    for timed_out in (
+        other.with_options(timeout=0.2).run("seg-1", nothing),  # waits in its process
+        third.with_options(timeout=0.2).run("seg-1", nothing),  # waits on the server
+    ):
+        with pytest.raises(TimeoutError) as caught:
+            await timed_out
+        assert "'seg-1'" in str(caught.value)
+        assert not any(lock in str(caught.value) for lock in ids)
+    release.set()
+    await holder
+
+    # A cycle across two "processes" that PostgreSQL breaks.
+    first_in, second_in = asyncio.Event(), asyncio.Event()
+
+    async def then_lock(mine: asyncio.Event, theirs: asyncio.Event, key: str, q: Any) -> None:
+        mine.set()
+        await theirs.wait()
+        await q.run(key, nothing)
+
+    results = await asyncio.gather(
+        queue.run("seg-1", then_lock, first_in, second_in, "seg-2", queue),
+        other.run("seg-2", then_lock, second_in, first_in, "seg-1", other),
+        return_exceptions=True,
+    )
+    deadlocks = [r for r in results if isinstance(r, DeadlockError)]
+    assert len(deadlocks) == 1, results
+    assert deadlocks[0].keys in (["seg-1"], ["seg-2"])
+    assert not any(lock in str(deadlocks[0]) for lock in ids)
+
+
+async def test_a_namespace_with_nul_is_refused(pools: Pools) -> None:
+    pool = await pools()
+    with pytest.raises(ValueError, match="NUL"):
+        PostgresKeyedQueue(pool, namespace="a\0b")
+    with pytest.raises(ValueError, match="NUL"):
+        lock_id("a\0", "k")
+
+
+@pytest_asyncio.fixture
+async def app_role(postgres_dsn: str) -> AsyncIterator[str]:
+    """A login role with no privilege but CONNECT and USAGE on the schema (no CREATE)."""
+    role = f"keyserial_app_{secrets.token_hex(4)}"
+    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as admin:
+        await admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        await admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+        try:
+            yield role
+        finally:
+            await admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            await admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+async def test_a_role_without_create_works_after_the_documented_setup_step(
+    postgres_dsn: str, app_role: str
+) -> None:
+    as_app = make_conninfo(postgres_dsn, user=app_role)
+
+    async def fence() -> int:
+        return current_fence()
+
+    # One connection: had the refused call kept it, the calls below would find none.
+    async with AsyncConnectionPool(as_app, min_size=1, max_size=1, open=False, timeout=5) as pool:
+        queue = PostgresKeyedQueue(pool, namespace="privileges")
+        with pytest.raises(SetupRequired, match=r"python -m keyserial\.postgres setup"):
+            await queue.run("k", fence)
+
+        # The operator's step, as the docs give it.
+        setup = await asyncio.to_thread(
+            subprocess.run,
+            [
+                sys.executable,
+                "-m",
+                "keyserial.postgres",
+                "setup",
+                postgres_dsn,
+                "--grant",
+                app_role,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert setup.returncode == 0, setup.stderr
+        fences = [await queue.run("k", fence) for _ in range(3)]
+        assert fences == sorted(set(fences))
+
+
+async def test_the_setup_sql_is_what_a_migration_needs(postgres_dsn: str, app_role: str) -> None:
+    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as admin:
+        for statement in setup_sql(grant_to=app_role, table="fences").split(";\n"):
+            # One statement at a time, as a migration tool would send them.
+            await admin.execute(sql.SQL(statement.rstrip(";")))  # pyright: ignore[reportArgumentType]
+
+    async def fence() -> int:
+        return current_fence()
+
+    as_app = make_conninfo(postgres_dsn, user=app_role)
+    async with AsyncConnectionPool(as_app, min_size=1, max_size=2, open=False) as pool:
+        queue = PostgresKeyedQueue(pool, namespace="privileges", table="fences")
+        first = await queue.run("k", fence)
+        assert await queue.run("k", fence) > first
+    printed = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "keyserial.postgres", "setup", "-", "--table", "fences", "--print"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert printed.stdout.strip() == setup_sql(table="fences")
