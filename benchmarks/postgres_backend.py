@@ -259,7 +259,7 @@ def main() -> int:
         f"Medians of {repeats} interleaved runs. Round trips are counted from libpq's protocol "
         "trace of the uncontended calls (each Sync or simple Query waits for the server; the Redis "
         "backend's own two round trips to Redis are not counted); the PostgreSQL backend sends "
-        "BEGIN, its settings, the lock and the fence in one pipelined round trip, then the "
+        "BEGIN, its settings, the lock and the fence in one round trip (one query), then the "
         "function's statement, then COMMIT.",
     ]
     text = "\n".join(lines) + "\n"
