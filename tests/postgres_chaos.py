@@ -59,6 +59,7 @@ async def work(dsn: str, out: TextIO, seed: int, keys: int) -> None:
     pid = os.getpid()
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print("ready", file=out, flush=True)  # from now on, SIGTERM asks it to drain
     pool = AsyncConnectionPool(dsn, min_size=1, max_size=4, open=False, timeout=5)
     await pool.open()
     queue = PostgresKeyedQueue(pool, namespace="chaos", lease=2.0)
@@ -103,13 +104,19 @@ def run(workers: int, seconds: float, seed: int) -> dict[str, int]:
     cluster.start()
     logs = tempfile.mkdtemp(prefix="keyserial-pg-chaos-")
     running: list[subprocess.Popen[bytes]] = []
+    log_of: dict[int, str] = {}
     started = 0
 
     def spawn() -> None:
         nonlocal started
         log = os.path.join(logs, f"worker-{started}.log")
         command = [sys.executable, "-m", "tests.postgres_chaos", "--work", cluster.dsn, log]
-        running.append(subprocess.Popen([*command, str(seed * 1000 + started), "3"], cwd=ROOT))
+        with open(log + ".stderr", "w") as errors:  # the pool's warnings during faults
+            worker = subprocess.Popen(
+                [*command, str(seed * 1000 + started), "3"], cwd=ROOT, stderr=errors
+            )
+        running.append(worker)
+        log_of[worker.pid] = log
         started += 1
 
     try:
@@ -144,9 +151,12 @@ def run(workers: int, seconds: float, seed: int) -> dict[str, int]:
                 cluster.start()
                 cluster.wait_until_up()
         for worker in running:
+            _wait_until_ready(log_of[worker.pid])
             worker.send_signal(signal.SIGTERM)
         for worker in running:
-            assert worker.wait(timeout=60) == 0, "a worker did not drain and exit when asked"
+            code = worker.wait(timeout=60)
+            with open(log_of[worker.pid] + ".stderr") as errors:
+                assert code == 0, f"a worker did not drain and exit when asked: {errors.read()}"
         faults["ok"] = check(cluster.dsn, logs)
         print(f"chaos: {started} workers, {dict(faults)}: all checks passed")
         return dict(faults)
@@ -157,6 +167,18 @@ def run(workers: int, seconds: float, seed: int) -> dict[str, int]:
                 worker.wait()
         cluster.close()
         shutil.rmtree(logs, ignore_errors=True)
+
+
+def _wait_until_ready(log: str) -> None:
+    """Wait until a worker has started handling SIGTERM (a new one may still be importing)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if os.path.exists(log):
+            with open(log) as lines:
+                if "ready\n" in lines:
+                    return
+        time.sleep(0.05)
+    raise AssertionError(f"a worker never became ready ({log})")
 
 
 def check(dsn: str, logs: str) -> int:
@@ -173,7 +195,7 @@ def check(dsn: str, logs: str) -> int:
         with open(os.path.join(logs, name)) as log:
             for line in log:
                 word, *rest = line.split()
-                if word == "ok":
+                if word == "ok" and rest:
                     returned.add((int(rest[0]), int(rest[1])))
     assert returned, "no call returned normally: the run checked nothing"
     lost = returned - kept

@@ -8,9 +8,12 @@ and searched for a cycle.
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "src" / "keyserial"
+PACKAGE = Path(__file__).resolve().parent.parent / "keyserial"
 
 #: A module of more lines of code than this (docstrings, comments and blank lines
 #: excluded) needs splitting.
@@ -198,3 +201,40 @@ def test_the_size_check_counts_a_mixin_chain_as_one_class() -> None:
         if isinstance(node, ast.ClassDef)
     }
     assert _with_private_bases("B", classes) == 5
+
+
+#: What a measurement looks like in prose: a percentage, a duration below a millisecond, a
+#: speed-up factor, an instruction count, a before -> after pair of figures.
+MEASUREMENT = re.compile(
+    r"\d+(\.\d+)? ?%|\d ?(ns|µs|us)\b|\d\.\d+ ?x\b|\d+x (faster|slower)|callgrind"
+    r"|\d+ instructions|\d\.\d+ ?-> ?\d"
+)
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """The comments and docstrings of a module, with their line numbers."""
+    source = path.read_text()
+    found = [
+        (token.start[0], token.string)
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            docstring = ast.get_docstring(node, clean=False)
+            if docstring is not None:
+                found.append((getattr(node, "lineno", 1), docstring))
+    return found
+
+
+def test_no_measurement_figures_in_comments_or_docstrings() -> None:
+    # Figures go stale on the next machine or Python; they live in benchmarks/ and
+    # docs/performance.md, where the run that produced them is given.
+    stale = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {match.group()!r}"
+        for path in modules().values()
+        for line, text in _prose(path)
+        for match in [MEASUREMENT.search(text)]
+        if match is not None
+    ]
+    assert stale == [], stale

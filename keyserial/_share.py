@@ -201,8 +201,8 @@ class LoopShare:
             # Walk only if the holder itself waits on something: usually it is running.
             blocking = holder.task if type(holder) is MultiTurn else holder
             # A holder can be mid-step only if tasks start eagerly: that is asked first
-            # because testing the holder costs ten times more (`may_start_eagerly`, inlined:
-            # a call here costs contended traffic 2%; the eager-task tests cover both).
+            # because testing the holder costs far more (`may_start_eagerly`, inlined: a
+            # call here shows in contended traffic; the eager-task tests cover both).
             if getattr(blocking, "_fut_waiter", None) is not None or (
                 EAGER_TASKS
                 and (

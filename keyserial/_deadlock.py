@@ -56,9 +56,9 @@ Task = asyncio.Task[Any]
 _MAX_ANY_DEPTH = 4
 
 #: Nodes the forward walk visits before the check tries `unreachable` instead. A node costs
-#: about a third of `unreachable` (about 1.2 and 3.8 us on 3.12), so walking on rarely pays:
-#: a holder that leads nowhere is answered here, anything longer goes backwards (with 4,
-#: registering behind a long chain cost 1.3x what it does with 1; benchmarks: deadlock-chain).
+#: a fraction of `unreachable`, so walking on rarely pays: a holder that leads nowhere is
+#: answered here, anything longer goes backwards (a larger budget made registering behind a
+#: long chain dearer; benchmarks: deadlock-chain).
 _FORWARD_BUDGET = 1
 
 #: Returned by `find_cycle` when a task on the way is in the middle of a step.

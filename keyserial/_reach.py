@@ -33,8 +33,8 @@ _COROUTINE_FLAGS = 0x80 | 0x100 | 0x200  # CO_COROUTINE, CO_ITERABLE_COROUTINE, 
 
 #: The ids of the code objects of every keyserial coroutine that registers for keys or holds
 #: them while it runs: the entry codes, and the registering ones of lock blocks and multi-key
-#: calls. Ids, because hashing a code object hashes its bytecode and constants (about 2 us
-#: each); the codes themselves are kept in `_kept_codes`, so their ids stay theirs.
+#: calls. Ids, because hashing a code object hashes its bytecode and constants; the codes
+#: themselves are kept in `_kept_codes`, so their ids stay theirs.
 _holding_codes: set[int] = set()
 _kept_codes: list[Any] = []
 #: Tasks inside ``lock()``/``lock_all()`` blocks, with how many: a block has no frame of its
