@@ -28,6 +28,8 @@ from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import Any, NamedTuple, TypeGuard, cast
 
+from ._asyncio_internals import fut_waiter
+
 #: How long a thread waits for its work to be chained to the loop's future (seconds).
 _CHAIN_WAIT = 1.0
 #: How deep a coroutine chain or a callback chain is followed; deeper ones are not explained.
@@ -126,7 +128,7 @@ def _explained_by_frame(frame: FrameType) -> Wait | None:
 
 def waits_of_task(task: asyncio.Task[Any]) -> Wait | None:
     """What the blocked ``task`` waits for; None if it is not blocked on a future."""
-    future = getattr(task, "_fut_waiter", None)
+    future = fut_waiter(task)
     if future is None:
         return None
     for coro in coroutine_chain(task):

@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from ._asyncio_internals import fut_waiter
 from ._awaits import (
     Wait,
     coroutine_chain,
@@ -88,7 +89,7 @@ def _is_known_dead_end(task: Any) -> bool:
     known = _dead_end
     if known is None or known[0]() is not task:
         return False
-    awaited = getattr(task, "_fut_waiter", None)
+    awaited = fut_waiter(task)
     return awaited is not None and known[1]() is awaited
 
 
@@ -147,7 +148,7 @@ class _Search:
                 return [(turn, ("", None))]
             if _is_known_dead_end(node):
                 return []
-            awaited = getattr(node, "_fut_waiter", None)
+            awaited = fut_waiter(node)
             wait = waits_of_task(node)
             if wait is None and awaited is not None:
                 _remember_dead_end(node, awaited)
@@ -210,7 +211,7 @@ def find_cycle(
 
 def may_wait_on_someone(holder: Task) -> bool:
     """Whether ``holder`` is blocked or mid-step; a holder that is neither closes no cycle."""
-    return getattr(holder, "_fut_waiter", None) is not None or is_running(holder)
+    return fut_waiter(holder) is not None or is_running(holder)
 
 
 def check_no_cycle(share: KeyHolders, task: Task, keys: Sequence[Hashable]) -> bool:

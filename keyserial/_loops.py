@@ -18,8 +18,9 @@ import sys
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
+from ._asyncio_internals import current_tasks
 from ._errors import awaitable_result, closed_error, key_error
 from ._share import LoopShare
 
@@ -30,11 +31,8 @@ TaskOf = Callable[[asyncio.AbstractEventLoop], "asyncio.Task[Any] | None"]
 
 
 def _select_task_of() -> TaskOf:
-    if sys.version_info < (3, 12):
-        current_tasks: Any = getattr(asyncio.tasks, "_current_tasks", None)
-        if isinstance(current_tasks, dict):
-            return cast("dict[asyncio.AbstractEventLoop, asyncio.Task[Any]]", current_tasks).get
-    return asyncio.current_task
+    tasks = current_tasks()
+    return asyncio.current_task if tasks is None else tasks.get
 
 
 task_of: TaskOf = _select_task_of()

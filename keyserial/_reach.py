@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from ._asyncio_internals import fut_waiter
 from ._awaits import MAX_DEPTH, frame_of, is_running, is_task, may_start_eagerly, woken_by
 
 Task = asyncio.Task[Any]
@@ -156,7 +157,7 @@ def _suspended_holds_nothing(task: Task, registering: bool = False) -> bool:
         if frame_of(inner) is None:
             # The chain ends awaiting a future; anything else (an async generator's
             # asend, a custom awaitable) may hide frames further in.
-            waiter = getattr(task, "_fut_waiter", None)
+            waiter = fut_waiter(task)
             return waiter is not None and type(inner) is type(waiter.__await__())
         coro = inner
     return False

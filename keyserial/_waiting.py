@@ -28,6 +28,7 @@ from collections.abc import Hashable
 from types import CodeType
 from typing import Any, NamedTuple
 
+from ._asyncio_internals import fut_waiter
 from ._awaits import coroutine_chain, frame_of, tasks_waiting_for
 from ._records import KeyHolders, MultiWaiter, TimedWaiter, Waiter
 
@@ -61,7 +62,7 @@ _last: tuple[weakref.ref[Any], weakref.ref[Any], TurnWait] | None = None
 
 def turn_wait_of_task(task: asyncio.Task[Any]) -> TurnWait | None:
     """What ``task`` waits for, if it is blocked waiting for a turn; else None."""
-    awaited: Any = getattr(task, "_fut_waiter", None)
+    awaited: Any = fut_waiter(task)
     if awaited is None:
         return None
     global _last
