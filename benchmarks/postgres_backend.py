@@ -237,8 +237,11 @@ def main() -> int:
         "writes in the turn's transaction": {
             n: "yes" if n in (LIBRARIES[0], LIBRARIES[2]) else "no" for n in LIBRARIES
         },
-        "FIFO across processes": {
-            n: "lock manager's order" if n != LIBRARIES[3] else "Redis's order" for n in LIBRARIES
+        "order across processes": {
+            LIBRARIES[0]: "each process's next call, as it reaches the lock manager",
+            LIBRARIES[1]: "lock manager's order",
+            LIBRARIES[2]: "lock manager's order",
+            LIBRARIES[3]: "each process's next call, as it reaches Redis",
         },
     }
     lines = [

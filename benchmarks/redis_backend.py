@@ -253,7 +253,9 @@ def main() -> int:
         "hand-off turns/s": {n: f"{throughput[n]:,.0f}" for n in LIBRARIES},
         "turns to another process": {n: f"{moved[n]:.0%}" for n in LIBRARIES},
         "commands/hand-off": {n: f"{hand_off_commands[n]:.1f}" for n in LIBRARIES},
-        "FIFO, fencing": {n: "yes" if n == LIBRARIES[0] else "no" for n in LIBRARIES},
+        "FIFO tickets per process, fencing": {
+            n: "yes" if n == LIBRARIES[0] else "no" for n in LIBRARIES
+        },
     }
     for measure, values in rows.items():
         lines.append(f"| {measure} | " + " | ".join(values[n] for n in LIBRARIES) + " |")

@@ -10,13 +10,19 @@ What a client sees when the queue says no:
 * ``429 Too Many Requests`` (with ``Retry-After``): the segment already has ``MAX_PENDING``
   requests queued (``QueueFull``);
 * ``503 Service Unavailable`` (with ``Retry-After``): the turn did not come within
-  ``WAIT`` seconds (``TimeoutError``), or the app is shutting down (``QueueClosed``);
+  ``WAIT`` seconds (``TimeoutError``), or the request reached a closed queue
+  (``QueueClosed``);
 * ``409 Conflict``: a newer partial of the same segment replaced this one (``Superseded``).
 
-The app closes the queue on shutdown: new requests get 503, queued ones still finish.
+The app closes the queue when its lifespan ends, and waits for the updates still queued.
+Under uvicorn, shutdown stops taking connections and lets the requests in flight (queued
+ones included) finish before the lifespan ends, so a client does not see the 503 of a
+closed queue there; an ASGI server that still routes requests to the app after its lifespan
+ended gets it (the tests show that by running the lifespan directly).
 Needs the ``examples`` extra:  pip install ".[examples]"
 
-Run it:  uvicorn examples.fastapi_app:app   (or: python examples/fastapi_app.py)
+Run it:  python examples/fastapi_app.py   (or, with uvicorn installed:
+uvicorn examples.fastapi_app:app)
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ segment_queue = KeyedSerialQueue(max_pending=MAX_PENDING)
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
     yield
-    await segment_queue.aclose()  # refuse new work, let the queued updates finish
+    await segment_queue.aclose()  # refuse new work, wait for the queued updates
 
 
 app = FastAPI(title="segments", lifespan=lifespan)

@@ -33,12 +33,13 @@ class RedisKeyedQueue:
 
     Calls with the same key, made in any process connected to the same Redis
     with the same ``namespace``, run one at a time: at most one holds the turn
-    while leases hold. Turns are granted first come, first served in the order
-    requests reach Redis (a ticket queue per key), and within one process in
-    registration order. A waiter is woken by a Redis pub/sub message on its
-    process's own channel within one round trip of the release; a slow poll
-    (``lease / 3``) is the fallback for a lost message and the heartbeat that
-    keeps its ticket alive. Needs Redis 6.2 or later.
+    while leases hold. Within one process, turns follow registration order; across
+    processes, they follow the order in which each process's next call reaches Redis (a
+    ticket queue per key holds one ticket per process), so a later call of one process
+    can run before an earlier call still queued inside another. A waiter is woken by a
+    Redis pub/sub message on its process's own channel within one round trip of the
+    release; a slow poll (``lease / 3``) is the fallback for a lost message and the
+    heartbeat that keeps its ticket alive. Needs Redis 6.2 or later.
 
     Each turn holds a lease of ``lease`` seconds, renewed in the background
     while the call runs. A holder that dies loses its turn when the lease
