@@ -120,6 +120,18 @@ async def test_a_commit_whose_reply_is_lost_is_reported_in_doubt(postgres_dsn: s
             await cutter.close()
 
 
+async def _next_caller_runs(dsn: str) -> bool:
+    """Whether a call of another process gets key ``k`` within a bound far below the holder's
+    stall (a minute)."""
+    async with AsyncConnectionPool(dsn, min_size=1, max_size=2, open=False) as pool:
+        queue = PostgresKeyedQueue(pool, namespace="faults", lease=10.0)
+
+        async def nothing() -> str:
+            return "ran"
+
+        return await queue.with_options(timeout=15).run("k", nothing) == "ran"
+
+
 async def test_a_holder_killed_inside_a_long_statement_frees_the_key_within_seconds(
     postgres_dsn: str,
 ) -> None:
@@ -128,15 +140,9 @@ async def test_a_holder_killed_inside_a_long_statement_frees_the_key_within_seco
         assert await holder.line() == "holding"
         await asyncio.sleep(0.2)  # let the statement start
         holder.process.send_signal(signal.SIGKILL)
-        async with AsyncConnectionPool(postgres_dsn, min_size=1, max_size=2, open=False) as pool:
-            queue = PostgresKeyedQueue(pool, namespace="faults", lease=10.0)
-
-            async def nothing() -> str:
-                return "ran"
-
-            # Without the server's check for a vanished client, the key stays held until the
-            # holder's statement ends, a minute later.
-            assert await queue.with_options(timeout=15).run("k", nothing) == "ran"
+        # Without the server's check for a vanished client, the key stays held until the
+        # holder's statement ends, a minute later.
+        assert await _next_caller_runs(postgres_dsn)
     finally:
         holder.close()
 
@@ -151,14 +157,8 @@ async def test_a_holder_stopped_before_its_first_statement_loses_the_key_after_i
     try:
         assert await holder.line() == "holding"  # its turn is open; it sent no statement yet
         holder.process.send_signal(signal.SIGSTOP)
-        async with AsyncConnectionPool(postgres_dsn, min_size=1, max_size=2, open=False) as pool:
-            queue = PostgresKeyedQueue(pool, namespace="faults", lease=10.0)
-
-            async def nothing() -> str:
-                return "ran"
-
-            # The holder stays stopped throughout: only its lease can free the key.
-            assert await queue.with_options(timeout=15).run("k", nothing) == "ran"
+        # The holder stays stopped throughout: only its lease can free the key.
+        assert await _next_caller_runs(postgres_dsn)
         holder.process.send_signal(signal.SIGCONT)
         holder.send("go on")
         assert await holder.line() == "failed: LeaseExpired"
