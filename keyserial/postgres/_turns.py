@@ -1,12 +1,12 @@
 """Taking and ending turns in PostgreSQL: one transaction holds a turn's advisory locks.
 
-A turn begins with one round trip, in pipeline mode: ``BEGIN``, the session settings of the
-turn (``SET LOCAL``), ``pg_advisory_xact_lock`` for each key in ascending order, and the
-turn's fence: ``nextval`` of the queue's fence sequence. A sequence is not transactional, so
-a turn that is rolled back (it raised, was cancelled, or stalled past its lease) still used
-its fence up, and its successor gets a larger one. It ends with ``COMMIT`` (the call
-returned) or ``ROLLBACK`` (it raised or was cancelled), which also releases the locks: there
-is no release to send, and nothing to forget when the process dies.
+A turn begins with one round trip, one query of several statements: ``BEGIN``, the settings
+of the turn (``set_config(..., true)``), ``pg_advisory_xact_lock`` for each key in ascending
+order, and the turn's fence: ``nextval`` of the queue's fence sequence. A sequence is not
+transactional, so a turn that is rolled back (it raised, was cancelled, or stalled past its
+lease) still used its fence up, and its successor gets a larger one. It ends with ``COMMIT``
+(the call returned) or ``ROLLBACK`` (it raised or was cancelled), which also releases the
+locks: there is no release to send, and nothing to forget when the process dies.
 """
 
 from __future__ import annotations
@@ -187,12 +187,13 @@ class PostgresTurns:
             lock_timeout = _milliseconds(left)
         try:
             if begin:
-                # The turn sends BEGIN itself, in the pipeline: psycopg's implicit BEGIN would
+                # The turn sends BEGIN itself, in its first query: psycopg's implicit BEGIN would
                 # cost a round trip of its own. Autocommit is a local setting, restored when
                 # the connection goes back to the pool.
                 self.autocommit[id(connection)] = connection.autocommit
                 await connection.set_autocommit(True)
-            first = await _cancelled_once(self._pipeline(connection, keys, lock_timeout, begin))
+            statements = self._lock_statements(connection, keys, lock_timeout, begin)
+            first = await _cancelled_once(statements)
         except psycopg.errors.LockNotAvailable as exc:
             raise TimeoutError(f"timed out waiting for the turn of {_naming(keys)}") from exc
         except psycopg.errors.DeadlockDetected as exc:
@@ -207,7 +208,7 @@ class PostgresTurns:
         assert first is not None
         return int(first[0])
 
-    async def _pipeline(
+    async def _lock_statements(
         self,
         connection: AsyncConnection[Any],
         keys: Mapping[int, Hashable],
