@@ -36,37 +36,42 @@ class SessionKeeper:
     and loses its turn.
     """
 
-    __slots__ = ("connection", "lease", "loop", "ping", "stalled", "ticked", "timer")
+    __slots__ = ("connection", "contact", "lease", "loop", "ping", "timer")
 
-    def __init__(self, connection: AsyncConnection[Any], lease: float) -> None:
+    def __init__(self, connection: AsyncConnection[Any], lease: float, since: float) -> None:
         self.connection = connection
         self.lease = lease
         self.loop = asyncio.get_running_loop()
         self.ping: asyncio.Task[None] | None = None
-        #: When the keeper last ran, and whether the process ever went a lease without it.
-        self.ticked = self.loop.time()
-        self.stalled = False
+        #: A time no later than the start of the server's idle timer: when the turn's first
+        #: query was sent, then when the keeper last found a statement running or sent a
+        #: ping that the server answered.
+        self.contact = since
         self.timer = self.loop.call_later(lease / 3, self._due)
 
     def stalled_past_lease(self) -> bool:
-        """Whether this process stopped running for longer than the lease during the turn.
+        """Whether the server has had time to end the session for idling: no contact with
+        it for longer than the lease.
 
-        The keeper runs every third of the lease; a gap longer than the lease means the
-        process was stopped or its loop blocked, and the server, seeing the transaction
-        idle for that long, has ended the session.
+        A live process pings every third of the lease, so this holds only when the process
+        was stopped or its loop blocked. It never misses a session the server ended for
+        idling; it may also hold, within a third of the lease after a long wait for the
+        locks, for a session lost otherwise (then too, nothing of the turn was kept).
         """
-        return self.stalled or self.loop.time() - self.ticked > self.lease
+        return self.loop.time() - self.contact > self.lease
 
     def _due(self) -> None:
-        self.stalled = self.stalled_past_lease()
-        self.ticked = self.loop.time()
         self.ping = self.loop.create_task(self._ping())
 
     async def _ping(self) -> None:
         status = self.connection.pgconn.transaction_status
-        if status == TransactionStatus.INTRANS and not self.connection.closed:
+        now = self.loop.time()
+        if status == TransactionStatus.ACTIVE:
+            self.contact = now  # a statement of the turn runs: the idle timer starts later
+        elif status == TransactionStatus.INTRANS and not self.connection.closed:
             with contextlib.suppress(Exception):  # a broken session: the commit will say so
                 await self.connection.execute("SELECT 1")
+                self.contact = now  # sent at or after now, and answered
         self.timer = self.loop.call_later(self.lease / 3, self._due)
 
     async def stop(self) -> None:

@@ -273,7 +273,7 @@ class PostgresTurns:
             await connection.execute("COMMIT")
         except BaseException as exc:
             await self._discard(connection)
-            error = _commit_error(exc, stalled)
+            error = _commit_error(exc)
             if error is exc:
                 raise
             raise error from exc
@@ -313,9 +313,10 @@ class PostgresTurns:
                 return outer, None
             fence = await self.extend(outer, missing, deadline, loop)
             return PgTurn(outer.connection, fence, outer.keys), None  # commits with the outer
+        since = loop.time()  # before the turn's first query: its idle timer starts later
         turn = await self.begin(keys, deadline, loop)
         self.held[task] = turn
-        return turn, SessionKeeper(turn.connection, self.lease)
+        return turn, SessionKeeper(turn.connection, self.lease, since)
 
     async def leave(
         self, task: Task, turn: PgTurn, keeper: SessionKeeper | None, failed: bool
@@ -365,15 +366,16 @@ def _lease_expired(detail: str) -> LeaseExpired:
     )
 
 
-def _commit_error(exc: BaseException, stalled: bool) -> BaseException:
-    """What a failed ``COMMIT`` means for the turn's writes."""
+def _commit_error(exc: BaseException) -> BaseException:
+    """What a failed ``COMMIT`` means for the turn's writes.
+
+    Only the server's word counts here: a commit whose reply was lost is in doubt even after
+    a stall, since the keeper's view of the stall is an estimate.
+    """
     if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout):
         return _lease_expired(f"before its commit ({exc})")
     if not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
         return exc
-    if stalled:
-        # Idle past the lease, the session was ended before the COMMIT could arrive.
-        return _lease_expired(f"before its commit ({exc})")
     if exc.sqlstate is not None or isinstance(exc, psycopg.InterfaceError):
         # The server answered with an error, or the connection was closed before the
         # COMMIT could be sent: it was not committed.
