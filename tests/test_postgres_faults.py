@@ -5,11 +5,12 @@ cancellation, an exhausted pool, a role without CREATE (against the real server)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import psycopg
@@ -46,6 +47,8 @@ class CommitCutter:
         self.armed = False
         self.cut = asyncio.Event()
         self.server: asyncio.Server | None = None
+        #: The task serving each proxied connection: close() ends those still running.
+        self.serving: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -54,6 +57,9 @@ class CommitCutter:
     async def _serve(
         self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
     ) -> None:
+        serving = asyncio.current_task()
+        assert serving is not None
+        self.serving.add(serving)
         server_in, server_out = await asyncio.open_connection(self.host, self.port)
         dropping = False
 
@@ -79,15 +85,21 @@ class CommitCutter:
         try:
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            client_out.transport.abort()
+            server_out.transport.abort()
             for pump in pumps:
                 pump.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
-            client_out.transport.abort()
-            server_out.transport.abort()
+            self.serving.discard(serving)
 
     async def close(self) -> None:
+        """Stop listening and end every proxied connection, before the test's loop closes."""
         if self.server is not None:
             self.server.close()
+        for serving in list(self.serving):
+            serving.cancel()
+        await asyncio.gather(*self.serving, return_exceptions=True)
+        if self.server is not None:
             await self.server.wait_closed()
 
 
@@ -166,6 +178,28 @@ async def test_a_holder_stopped_before_its_first_statement_loses_the_key_after_i
         holder.close()
 
 
+async def nothing() -> None:
+    pass
+
+
+@contextlib.asynccontextmanager
+async def holding(queue: PostgresKeyedQueue, key: str) -> AsyncGenerator[None, None]:
+    """``key``'s turn, held by a task of ``queue`` for the body of the block."""
+    held, release = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        held.set()
+        await release.wait()
+
+    holder = asyncio.create_task(queue.run(key, hold))
+    await asyncio.wait_for(held.wait(), timeout=10)
+    try:
+        yield
+    finally:
+        release.set()
+        await holder
+
+
 async def _waiting_on_locks(dsn: str, application: str) -> int:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         cursor = await conn.execute(
@@ -184,38 +218,26 @@ async def test_cancelling_a_waiting_call_twice_leaves_no_session_waiting_on_the_
     dsn = make_conninfo(postgres_dsn, application_name=application)
     async with AsyncConnectionPool(dsn, min_size=1, max_size=20, open=False) as pool:
         await pool.open(wait=True)
-        held, release = asyncio.Event(), asyncio.Event()
-
-        async def hold() -> None:
-            held.set()
-            await release.wait()
-
-        async def nothing() -> None:
-            pass
-
-        holder = asyncio.create_task(PostgresKeyedQueue(pool, namespace="c").run("k", hold))
-        await asyncio.wait_for(held.wait(), timeout=10)
-        # Separate queues: each is a process of its own, each with a wait on the server.
-        waiters = [
-            asyncio.create_task(PostgresKeyedQueue(pool, namespace="c").run("k", nothing))
-            for _ in range(8)
-        ]
-        for _ in range(200):
-            if await _waiting_on_locks(postgres_dsn, application) == len(waiters):
-                break
-            await asyncio.sleep(0.02)
-        assert await _waiting_on_locks(postgres_dsn, application) == len(waiters)
-        for waiter in waiters:
-            waiter.cancel()
-        await asyncio.sleep(0)  # psycopg starts cancelling each statement on the server...
-        for waiter in waiters:
-            waiter.cancel()  # ...and is interrupted again
-        outcomes = await asyncio.gather(*waiters, return_exceptions=True)
-        assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
-        # Every wait is gone from the server, not left running behind a closed connection.
-        assert await _waiting_on_locks(postgres_dsn, application) == 0
-        release.set()
-        await holder
+        async with holding(PostgresKeyedQueue(pool, namespace="c"), "k"):
+            # Separate queues: each is a process of its own, each with a wait on the server.
+            waiters = [
+                asyncio.create_task(PostgresKeyedQueue(pool, namespace="c").run("k", nothing))
+                for _ in range(8)
+            ]
+            for _ in range(200):
+                if await _waiting_on_locks(postgres_dsn, application) == len(waiters):
+                    break
+                await asyncio.sleep(0.02)
+            assert await _waiting_on_locks(postgres_dsn, application) == len(waiters)
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.sleep(0)  # psycopg starts cancelling each statement on the server...
+            for waiter in waiters:
+                waiter.cancel()  # ...and is interrupted again
+            outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+            assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
+            # Every wait is gone from the server, not left running behind a closed connection.
+            assert await _waiting_on_locks(postgres_dsn, application) == 0
         stats = pool.get_stats()
         assert stats["pool_size"] == stats["pool_available"]
 
@@ -223,22 +245,10 @@ async def test_cancelling_a_waiting_call_twice_leaves_no_session_waiting_on_the_
 async def test_an_exhausted_pool_is_reported_as_such(pools: Pools) -> None:
     pool = await pools(max_size=1, timeout=0.5)
     queue = PostgresKeyedQueue(pool, namespace="exhausted")
-    held, release = asyncio.Event(), asyncio.Event()
-
-    async def hold() -> None:
-        held.set()
-        await release.wait()
-
-    async def nothing() -> None:
-        pass
-
-    holder = asyncio.create_task(queue.run("a", hold))  # holds the pool's only connection
-    await asyncio.wait_for(held.wait(), timeout=10)
-    with pytest.raises(PoolExhausted, match=r"key 'b'.*max_size=1") as caught:
-        await queue.run("b", nothing)
+    async with holding(queue, "a"):  # holds the pool's only connection
+        with pytest.raises(PoolExhausted, match=r"key 'b'.*max_size=1") as caught:
+            await queue.run("b", nothing)
     assert isinstance(caught.value, TimeoutError)
-    release.set()
-    await holder
     await queue.run("b", nothing)
 
 
@@ -247,27 +257,15 @@ async def test_timeouts_and_deadlocks_name_the_callers_keys(pools: Pools) -> Non
     other = PostgresKeyedQueue(await pools(), namespace="names")  # another process
     third = PostgresKeyedQueue(await pools(), namespace="names")  # and a third
     ids = [str(lock_id("names", key)) for key in ("seg-1", "seg-2")]
-    held, release = asyncio.Event(), asyncio.Event()
-
-    async def hold() -> None:
-        held.set()
-        await release.wait()
-
-    async def nothing() -> None:
-        pass
-
-    holder = asyncio.create_task(other.run("seg-1", hold))
-    await asyncio.wait_for(held.wait(), timeout=10)
-    for timed_out in (
-        other.with_options(timeout=0.2).run("seg-1", nothing),  # waits in its process
-        third.with_options(timeout=0.2).run("seg-1", nothing),  # waits on the server
-    ):
-        with pytest.raises(TimeoutError) as caught:
-            await timed_out
-        assert "'seg-1'" in str(caught.value)
-        assert not any(lock in str(caught.value) for lock in ids)
-    release.set()
-    await holder
+    async with holding(other, "seg-1"):
+        for timed_out in (
+            other.with_options(timeout=0.2).run("seg-1", nothing),  # waits in its process
+            third.with_options(timeout=0.2).run("seg-1", nothing),  # waits on the server
+        ):
+            with pytest.raises(TimeoutError) as caught:
+                await timed_out
+            assert "'seg-1'" in str(caught.value)
+            assert not any(lock in str(caught.value) for lock in ids)
 
     # A cycle across two "processes" that PostgreSQL breaks.
     first_in, second_in = asyncio.Event(), asyncio.Event()

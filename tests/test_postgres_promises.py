@@ -16,6 +16,7 @@ from keyserial import current_fence
 from keyserial.postgres import PostgresKeyedQueue, TurnRolledBack, connection
 
 from .conftest import Pools
+from .test_postgres_faults import holding
 
 pytestmark = pytest.mark.asyncio
 
@@ -79,19 +80,10 @@ async def test_a_caught_database_error_fails_the_turn_instead_of_losing_its_writ
             await queue.with_options(timeout=0.2).run("held elsewhere", save_twice, "x")
         return "saved"
 
-    held, release = asyncio.Event(), asyncio.Event()
-
-    async def hold() -> None:
-        held.set()
-        await release.wait()
-
     other = PostgresKeyedQueue(await pools(), namespace="loss")  # another process's queue
-    holder = asyncio.create_task(other.run("held elsewhere", hold))
-    await asyncio.wait_for(held.wait(), timeout=10)
-    with pytest.raises(TurnRolledBack):
-        await queue.run("b", nested_times_out, "b")
-    release.set()
-    await holder
+    async with holding(other, "held elsewhere"):
+        with pytest.raises(TurnRolledBack):
+            await queue.run("b", nested_times_out, "b")
     assert await _segments(pool) == {}
     # The key is usable, and a turn that handles its error with a savepoint keeps its writes.
 
