@@ -25,7 +25,12 @@ DEFAULT_TABLE = "keyserial_fences"
 
 def sequence(table: str = DEFAULT_TABLE, schema: str | None = None) -> sql.Identifier:
     """The fence sequence of a queue made with ``table=`` and ``schema=``: ``<table>_seq``."""
-    return sql.Identifier(*(() if schema is None else (schema,)), table + "_seq")
+    return _qualified(table + "_seq", schema)
+
+
+def _qualified(name: str, schema: str | None) -> sql.Identifier:
+    """``name`` in ``schema``, or as the search path finds it."""
+    return sql.Identifier(name) if schema is None else sql.Identifier(schema, name)
 
 
 def setup_sql(
@@ -75,7 +80,7 @@ async def ensure_sequence(connection: AsyncConnection[Any], table: str, schema: 
                 "may not create it: run 'python -m keyserial.postgres setup <dsn> --grant <role>' "
                 "or the SQL of keyserial.postgres.setup_sql() once, as a role that may"
             ) from exc
-        old_table = sql.Identifier(*(() if schema is None else (schema,)), table)
+        old_table = _qualified(table, schema)
         if await _exists(connection, old_table):
             await connection.execute(
                 sql.SQL(
