@@ -48,3 +48,39 @@ def test_the_quick_start_prints_each_segment_in_call_order() -> None:
         "seg-1: final done",
     ]
     assert "seg-1: final done" in (ROOT / "README.md").read_text()
+
+
+def blocks_with_output(page: Path) -> list[tuple[str, str]]:
+    """Each ```python block of ``page`` with the ```text block that follows it (its output)."""
+    pairs: list[tuple[str, str]] = []
+    fence: str | None = None
+    lines: list[str] = []
+    code: str | None = None
+    for line in page.read_text().splitlines(keepends=True):
+        stripped = line.strip()
+        if fence is None and stripped in ("```python", "```text"):
+            fence, lines = stripped, []
+        elif fence is not None and stripped == "```":
+            text = "".join(lines)
+            if fence == "```python":
+                code = text
+            elif code is not None:
+                pairs.append((code, text))
+                code = None
+            fence = None
+        elif fence is not None:
+            lines.append(line)
+    return pairs
+
+
+def test_every_python_block_of_the_readme_prints_the_output_it_shows(tmp_path: Path) -> None:
+    pairs = blocks_with_output(ROOT / "README.md")
+    python_block_count = len(python_blocks(ROOT / "README.md"))
+    assert len(pairs) == python_block_count >= 2, "each python block needs its output below it"
+    for number, (code, shown) in enumerate(pairs):
+        script = tmp_path / f"block{number}.py"
+        script.write_text(code)
+        result = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True
+        )
+        assert result.stdout == shown, f"README python block {number} printed something else"
