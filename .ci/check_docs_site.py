@@ -9,7 +9,9 @@ that needs a CDN shows it), and fails when a page has:
 * a literal Sphinx role (``:meth:`x```), or a blockquote nested in a blockquote (a doctest
   rendered as quoted text);
 * an image that did not load;
-* a table wider than the page's content column at 1280 px (columns pushed off-screen).
+* a table wider than the page's content column at 1280 px (columns pushed off-screen);
+* a code block whose text is wider than its box at 1280 px (lines cut off behind a scroll bar);
+* diagram text (Mermaid) drawn smaller than 11 px at 1280 px.
 
 A full-page screenshot of each page goes to the screenshots folder (git-ignored).
 """
@@ -30,6 +32,7 @@ from playwright.sync_api import Page, Route, sync_playwright
 ROLE = re.compile(r":(?:func|meth|class|attr|mod|exc|data|obj|py:\w+):(?=[`\w~.])")
 DIAGRAM = re.compile(r"^\s*(?:sequenceDiagram|gantt|graph|flowchart|classDiagram|stateDiagram)")
 MERMAID_ERRORS = ("Syntax error in text", "Parse error", "Lexical error")
+SMALLEST_DIAGRAM_TEXT_PX = 11
 
 CHECKS_JS = """
 () => {
@@ -47,10 +50,44 @@ CHECKS_JS = """
       problems.push(`table wider than the page (${Math.round(right - limit)} px): ${head}`);
     }
   }
+  for (const pre of document.querySelectorAll("article pre")) {
+    if (pre.closest(".mermaid")) continue;
+    const code = pre.querySelector("code") || pre;
+    if (code.scrollWidth > pre.clientWidth + 1) {
+      const widest = code.innerText.split("\\n").reduce((a, b) => (b.length > a.length ? b : a), "");
+      problems.push(`code block wider than its box (${code.scrollWidth - pre.clientWidth} px): ${widest.trim().slice(0, 70)}`);
+    }
+  }
   if (document.querySelector("article blockquote blockquote")) {
     problems.push("a blockquote nested in a blockquote (a doctest shown as quoted text)");
   }
   return problems;
+}
+"""
+
+# The size a diagram's text is drawn at: its font size times the scale of the SVG transform
+# that places it (a diagram shrunk to fit the column shrinks its text with it).
+DIAGRAM_TEXT_JS = """
+(smallest) => {
+  const small = [];
+  for (const block of document.querySelectorAll("div.mermaid")) {
+    const root = block.shadowRoot || block;
+    const svg = root.querySelector("svg");
+    if (!svg) continue;
+    const walker = document.createTreeWalker(svg, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      const text = node.textContent.trim();
+      const element = node.parentElement;
+      if (!text || !element) continue;
+      const placed = element.closest("foreignObject") || element.closest("text") || element;
+      if (!placed.getScreenCTM) continue;
+      const ctm = placed.getScreenCTM();
+      if (!ctm) continue;
+      const size = parseFloat(getComputedStyle(element).fontSize) * Math.hypot(ctm.a, ctm.b);
+      if (size < smallest) small.push(`${size.toFixed(1)} px: ${text.slice(0, 40)}`);
+    }
+  }
+  return small;
 }
 """
 
@@ -118,6 +155,11 @@ def check_page(page: Page, url: str, diagrams: int) -> list[str]:
     for role in sorted(set(ROLE.findall(text))):
         problems.append(f"literal Sphinx role {role}")
     problems += page.evaluate(CHECKS_JS)
+    small = page.evaluate(DIAGRAM_TEXT_JS, SMALLEST_DIAGRAM_TEXT_PX)
+    if small:
+        problems.append(
+            f"{len(small)} diagram label(s) under {SMALLEST_DIAGRAM_TEXT_PX} px, e.g. {small[0]}"
+        )
     return problems
 
 
@@ -145,7 +187,7 @@ def main() -> int:
                     "--disable-sync",
                 ],
             )
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
             # Material draws diagrams in closed shadow roots; open them so they can be read.
             page.add_init_script(
                 "const attach = Element.prototype.attachShadow;"
