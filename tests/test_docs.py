@@ -21,3 +21,43 @@ def test_examples_in_the_page_run(page: str) -> None:
 
 def test_some_page_has_examples() -> None:
     assert "operations.md" in PAGES
+
+
+PUBLIC_MODULES = (
+    "keyserial",
+    "keyserial.otel",
+    "keyserial.redis",
+    "keyserial.postgres",
+    "keyserial.streams",
+)
+
+
+def test_every_public_name_is_on_one_api_reference_page() -> None:
+    import importlib
+
+    shown: dict[str, list[str]] = {}
+    for page in sorted((DOCS / "api").glob("*.md")):
+        for line in page.read_text().splitlines():
+            if line.startswith("::: "):
+                shown.setdefault(line.removeprefix("::: ").strip(), []).append(page.name)
+    expected = {
+        f"{module}.{name}"
+        for module in PUBLIC_MODULES
+        for name in importlib.import_module(module).__all__
+    }
+    assert sorted(expected - shown.keys()) == [], "public names missing from docs/api/"
+    assert sorted(name for name, pages in shown.items() if len(pages) > 1) == []
+    assert sorted(shown.keys() - expected) == [], "docs/api/ shows names that are not public"
+
+
+def test_the_home_page_links_every_page() -> None:
+    import re
+
+    def linked(page: Path) -> set[str]:
+        return set(re.findall(r"\]\(([\w/.-]+\.md)(?:#[\w-]+)?\)", page.read_text()))
+
+    pages = {page.relative_to(DOCS).as_posix() for page in DOCS.rglob("*.md")}
+    from_home = linked(DOCS / "index.md")
+    from_api = {f"api/{name}" for name in linked(DOCS / "api" / "index.md")}
+    assert sorted(pages - {"index.md"} - from_home - from_api) == []
+    assert "api/index.md" in from_home
