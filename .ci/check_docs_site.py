@@ -54,8 +54,10 @@ CHECKS_JS = """
     if (pre.closest(".mermaid")) continue;
     const code = pre.querySelector("code") || pre;
     if (code.scrollWidth > pre.clientWidth + 1) {
-      const widest = code.innerText.split("\\n").reduce((a, b) => (b.length > a.length ? b : a), "");
-      problems.push(`code block wider than its box (${code.scrollWidth - pre.clientWidth} px): ${widest.trim().slice(0, 70)}`);
+      const lines = code.innerText.split("\\n");
+      const widest = lines.reduce((a, b) => (b.length > a.length ? b : a), "").trim();
+      const over = code.scrollWidth - pre.clientWidth;
+      problems.push(`code block wider than its box (${over} px): ${widest.slice(0, 70)}`);
     }
   }
   if (document.querySelector("article blockquote blockquote")) {
