@@ -28,7 +28,9 @@ async def _yield_once() -> None:
 
 async def _use_every_kind_of_call(queue: KeyedSerialQueue) -> None:
     await asyncio.gather(*(queue.run(i % 10, _yield_once) for i in range(100)))
-    await asyncio.gather(*(queue.call(i % 10, _yield_once, (), {}, timeout=5) for i in range(100)))
+    await asyncio.gather(
+        *(queue.with_options(timeout=5).run(i % 10, _yield_once) for i in range(100))
+    )
     async with queue.lock("k", timeout=5):
         await queue.submit("other", _yield_once)
 

@@ -388,7 +388,7 @@ async def coalescing(burst: int, repeats: int) -> Table:
             holder = asyncio.ensure_future(queue.run("seg", hold))
             await asyncio.sleep(0)
             tasks = [
-                asyncio.ensure_future(queue.call("seg", save, (i,), {}, None, group))
+                asyncio.ensure_future(queue.with_options(group=group).run("seg", save, i))
                 for i in range(burst)
             ]
             await asyncio.sleep(0)

@@ -23,6 +23,7 @@ from ._keys import (
     unhashable_key,
 )
 from ._protocols import MultiKeySerialQueue, SerialQueue
+from ._queue import KeyedSerialQueue
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -157,9 +158,21 @@ def _serialize(
         return _serialize_multi(fn, keys, target, timeout, qualname)
     extract = _make_extractor(key, fn, qualname)
 
-    call: Callable[..., Coroutine[Any, Any, Any]] = _named_after(target.call, qualname)
-    # Calls of this function supersede each other's waiting calls, and no one else's.
-    group = FunctionKey(qualname) if coalesce else None
+    # Every call takes its turn through the queue's own run(): the plain one, or the one of
+    # a view with the decorator's options.
+    run: Callable[..., Coroutine[Any, Any, Any]]
+    if coalesce:
+        if not isinstance(target, KeyedSerialQueue):
+            raise TypeError(
+                f"@serialized on {qualname}: coalesce=True needs an in-process "
+                f"KeyedSerialQueue; {type(target).__name__} does not coalesce"
+            )
+        # Calls of this function supersede each other's waiting calls, and no one else's.
+        run = target.with_options(timeout=timeout, group=FunctionKey(qualname)).run
+    elif timeout is not None:
+        run = target.with_options(timeout=timeout).run
+    else:
+        run = _named_after(target.run, qualname)
 
     def route(
         wrapped: Callable[..., Coroutine[Any, Any, Any]],
@@ -167,7 +180,7 @@ def _serialize(
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Coroutine[Any, Any, Any]:
-        return call(extract(instance, args, kwargs), wrapped, args, kwargs, timeout, group)
+        return run(extract(instance, args, kwargs), wrapped, *args, **kwargs)
 
     # Where the key sits among a call's positional arguments, when it can be passed so.
     position = (
@@ -190,12 +203,12 @@ def _serialize(
                         raise unhashable_key(qualname, call_key, exc) from exc
                 else:
                     call_key = extract(None, args, kwargs)
-                return call(call_key, fn, args, kwargs, timeout, group)
+                return run(call_key, fn, *args, **kwargs)
 
         else:
 
             def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-                return call(extract(None, args, kwargs), fn, args, kwargs, timeout, group)
+                return run(extract(None, args, kwargs), fn, *args, **kwargs)
 
         if isinstance(fn, types.FunctionType):
             __get__ = _bind_plain_method

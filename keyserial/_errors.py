@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Coroutine, Hashable, Sequence
 from inspect import isawaitable
 from typing import Any, TypeVar
@@ -185,3 +186,26 @@ def awaitable_result(fn: object, result: T) -> T:
     if not isawaitable(result):
         raise not_awaitable(fn, result)
     return result
+
+
+def check_timeout(timeout: float | None) -> None:
+    """Refuse a bound on a wait that is not ``None`` or a number >= 0, before anything is
+    registered.
+
+    Raises:
+        ValueError: ``timeout`` is negative, NaN or not a number.
+    """
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+
+
+def warn_deprecated_call(queue: str) -> None:
+    """Warn that ``queue.call(...)`` is deprecated, naming its replacement."""
+    warnings.warn(
+        f"{queue}.call(key, fn, args, kwargs, timeout, group) is deprecated: write "
+        f"queue.with_options(timeout=..., group=...).run(key, fn, *args, **kwargs)",
+        DeprecationWarning,
+        stacklevel=3,
+    )

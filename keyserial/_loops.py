@@ -139,7 +139,7 @@ class LoopShares:
         """Close ``loop``'s share for good: it refuses new calls; registered ones still run."""
         share = self.of(loop)
         share.closed = True
-        # run() and call() take the cached share when its open_loop is the running loop, or
+        # run() takes the cached share when its open_loop is the running loop, or
         # (before 3.12) when its thread_loop runs in this thread: neither test passes now,
         # so they look the share up and find it closed.
         share.open_loop = share.thread_loop = None

@@ -34,19 +34,6 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
-def check_timeout(timeout: float | None) -> None:
-    """Refuse a bound on a wait that is not ``None`` or a number >= 0, before anything is
-    registered.
-
-    Raises:
-        ValueError: ``timeout`` is negative, NaN or not a number.
-    """
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
-
-
 def unique_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
     """``keys`` checked and deduplicated, in their first order.
 

@@ -176,27 +176,35 @@ class ObservedQueue(KeyedSerialQueue):
         turn = super().run(key, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
         return await watch.watch(turn)
 
-    async def call(
+    async def _call(
         self,
         key: Hashable,
         fn: Callable[..., Awaitable[T]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        timeout: float | None = None,
-        group: Hashable | None = None,
+        timeout: float | None,
+        group: Hashable | None,
     ) -> T:
         watch = _Watch(self._watching, key, _name(fn))
-        call: Awaitable[T] = super().call(  # pyright: ignore[reportAssignmentType]
+        call: Awaitable[T] = super()._call(  # pyright: ignore[reportAssignmentType]
             key, watch.run, (fn, *args), kwargs, timeout, group
         )
         return await watch.watch(call)
 
-    def submit(
-        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    def _submit(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        group: Hashable | None,
     ) -> asyncio.Task[T]:
         watch = _Watch(self._watching, key, _name(fn))
         try:
-            task = super().submit(key, watch.run_and_finish, fn, *args, **kwargs)  # type: ignore[arg-type]
+            task: asyncio.Task[T] = super()._submit(  # pyright: ignore[reportAssignmentType]
+                key, watch.run_and_finish, (fn, *args), kwargs, timeout, group
+            )
         except BaseException as exc:
             watch.finish(exc)
             raise

@@ -6,53 +6,65 @@ without taking ``timeout`` from the function's own keywords. A queue's ``with_op
 returns a view instead, as the OpenAI Python SDK's ``client.with_options(timeout=...)``
 does: the same methods, each with the options applied, and every keyword argument still
 going to the function.
+
+A view holds the queue's own ways of taking a turn with options (bound methods the queue
+hands it), so it works the same for the in-process queue and the distributed ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
-from typing import Any, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
-from ._errors import awaitable_result, check_function
-from ._multikey import check_timeout
+from ._errors import awaitable_result, check_function, check_timeout
 from ._protocols import KeyLock
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
-SubmitCall = Callable[
-    [Hashable, Callable[..., Awaitable[Any]], tuple[Any, ...], dict[str, Any], "float | None"],
+CallWith = Callable[
+    [
+        Hashable,
+        Callable[..., Awaitable[Any]],
+        tuple[Any, ...],
+        dict[str, Any],
+        "float | None",
+        "Hashable | None",
+    ],
+    Coroutine[Any, Any, Any],
+]
+"""A queue's ``run`` with the arguments as a tuple and a dict, the wait's bound and group."""
+
+SubmitWith = Callable[
+    [
+        Hashable,
+        Callable[..., Awaitable[Any]],
+        tuple[Any, ...],
+        dict[str, Any],
+        "float | None",
+        "Hashable | None",
+    ],
     "asyncio.Task[Any]",
 ]
-"""A queue's ``submit``, with its arguments as a tuple and a dict and the wait's bound."""
+"""A queue's ``submit``, with its arguments as a tuple and a dict, the wait's bound and group."""
 
+LockWith = Callable[[Hashable, "float | None", "Hashable | None"], KeyLock]
+"""A queue's ``lock``, with the wait's bound and group."""
 
-class TurnTaker(Protocol):
-    def call(
-        self,
-        key: Hashable,
-        fn: Callable[..., Awaitable[T]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None = None,
-    ) -> Coroutine[Any, Any, T]: ...
-
-    def lock(self, key: Hashable, timeout: float | None = None) -> KeyLock: ...
-
-
-class MultiKeyTurnTaker(TurnTaker, Protocol):
-    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock: ...
+LockAllWith = Callable[[Iterable[Hashable], "float | None"], KeyLock]
+"""A queue's ``lock_all``, with the wait's bound."""
 
 
 class WaitOptions:
-    """A queue's ways of taking one key's turn, each with the same bound on the wait.
+    """A queue's ways of taking one key's turn, each with the same options.
 
     Made by ``queue.with_options(timeout=...)``. ``timeout`` bounds only the wait for the
     turn: on expiry the built-in ``TimeoutError`` is raised, the function never starts,
     and the queue is left as it was. ``timeout=0`` is a try: it never waits, so a held key
     raises ``TimeoutError`` at once (never ``DeadlockError``). ``None`` waits as long as it
-    takes. A started call is never interrupted.
+    takes. A started call is never interrupted. ``group`` (the in-process queue only) makes
+    the calls coalescing: see ``KeyedSerialQueue.with_options``.
 
     Example:
         ```pycon
@@ -66,59 +78,86 @@ class WaitOptions:
         ```
     """
 
-    __slots__ = ("_queue", "_submit", "timeout")
+    __slots__ = ("_call", "_lock", "_owner", "_submit", "group", "timeout")
 
-    def __init__(self, queue: TurnTaker, submit: SubmitCall, timeout: float | None) -> None:
+    def __init__(
+        self,
+        owner: object,
+        *,
+        call: CallWith,
+        submit: SubmitWith,
+        lock: LockWith,
+        timeout: float | None,
+        group: Hashable | None = None,
+    ) -> None:
         check_timeout(timeout)
-        self._queue = queue
+        self._owner = owner
+        self._call = call
         self._submit = submit
+        self._lock = lock
         self.timeout = timeout
         """Seconds the turn is waited for at most, or ``None``."""
+        self.group = group
+        """The coalescing group of the calls, or ``None``."""
 
     def run(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> Coroutine[Any, Any, T]:
-        """The queue's ``run``, with this view's bound on the wait.
+        """The queue's ``run``, with this view's options.
 
         Raises:
             TimeoutError: the turn did not come within ``timeout`` seconds.
+            Superseded: a newer call of the same ``group`` replaced this one.
         """
         check_function(fn, "run")
-        return self._queue.call(key, fn, args, kwargs, self.timeout)
+        return self._call(key, fn, args, kwargs, self.timeout, self.group)
 
     def submit(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> asyncio.Task[T]:
-        """The queue's ``submit``, with this view's bound on the wait of the new task.
+        """The queue's ``submit``, with this view's options for the wait of the new task.
 
         Raises:
             TimeoutError: from the task, when its turn did not come within ``timeout``
                 seconds; from ``submit`` itself, when ``timeout=0`` finds the key held.
+            Superseded: from the task, when a newer call of the same ``group`` replaced it.
         """
         check_function(fn, "submit")
-        return cast("asyncio.Task[T]", self._submit(key, fn, args, kwargs, self.timeout))
+        task = self._submit(key, fn, args, kwargs, self.timeout, self.group)
+        return cast("asyncio.Task[T]", task)
 
     def lock(self, key: Hashable) -> KeyLock:
-        """The queue's ``lock``, with this view's bound on the wait.
+        """The queue's ``lock``, with this view's options.
 
         Raises:
             TimeoutError: on entering, the turn did not come within ``timeout`` seconds.
+            Superseded: on entering, a newer block of the same ``group`` replaced this one.
         """
-        return self._queue.lock(key, self.timeout)
+        return self._lock(key, self.timeout, self.group)
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} timeout={self.timeout!r} of {self._queue!r}>"
+        group = "" if self.group is None else f" group={self.group!r}"
+        return f"<{type(self).__name__} timeout={self.timeout!r}{group} of {self._owner!r}>"
 
 
 class MultiKeyWaitOptions(WaitOptions):
     """``WaitOptions`` of a queue that can also hold several keys at once."""
 
-    __slots__ = ()
+    __slots__ = ("_lock_all",)
 
-    _queue: MultiKeyTurnTaker
-
-    def __init__(self, queue: MultiKeyTurnTaker, submit: SubmitCall, timeout: float | None) -> None:
-        super().__init__(queue, submit, timeout)
+    def __init__(
+        self,
+        owner: object,
+        *,
+        call: CallWith,
+        submit: SubmitWith,
+        lock: LockWith,
+        lock_all: LockAllWith,
+        timeout: float | None,
+        group: Hashable | None = None,
+    ) -> None:
+        super().__init__(owner, call=call, submit=submit, lock=lock, timeout=timeout, group=group)
+        self._lock_all = lock_all
 
     def run_all(
         self,
@@ -132,17 +171,21 @@ class MultiKeyWaitOptions(WaitOptions):
 
         Raises:
             TimeoutError: the turns did not all come within ``timeout`` seconds.
+            ValueError: the view has a ``group``: several keys do not coalesce.
         """
         check_function(fn, "run_all")
-        return _run_holding(self._queue.lock_all(keys, self.timeout), fn, args, kwargs)
+        return _run_holding(self.lock_all(keys), fn, args, kwargs)
 
     def lock_all(self, keys: Iterable[Hashable]) -> KeyLock:
         """The queue's ``lock_all``, with this view's bound on the wait for all the turns.
 
         Raises:
             TimeoutError: on entering, the turns did not all come within ``timeout`` seconds.
+            ValueError: the view has a ``group``: several keys do not coalesce.
         """
-        return self._queue.lock_all(keys, self.timeout)
+        if self.group is not None:
+            raise ValueError("calls on several keys do not coalesce: use a view without group=")
+        return self._lock_all(keys, self.timeout)
 
 
 async def _run_holding(

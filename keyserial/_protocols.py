@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from types import TracebackType
-from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    from ._options import WaitOptions
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -33,7 +36,7 @@ class KeyLock(Protocol):
 
 
 class SerialQueue(Protocol):
-    """What ``@serialized`` needs from a queue: run one call in a key's turn.
+    """What ``@serialized`` needs from a queue: run one call in a key's turn, with options.
 
     [KeyedSerialQueue][keyserial.KeyedSerialQueue] implements it, and so do
     the distributed backends.
@@ -45,19 +48,8 @@ class SerialQueue(Protocol):
         """Return a coroutine running ``fn(*args, **kwargs)`` in ``key``'s turn."""
         ...
 
-    def call(
-        self,
-        key: Hashable,
-        fn: Callable[..., Awaitable[T]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None = None,
-        group: Hashable | None = None,
-    ) -> Coroutine[Any, Any, T]:
-        """Like ``run``, with the arguments as a tuple and a dict, as a decorator holds them.
-
-        ``timeout`` bounds the wait for the turn, ``group`` makes the call coalescing.
-        """
+    def with_options(self, *, timeout: float | None = None) -> WaitOptions:
+        """The queue's ways of taking a turn, each with ``timeout`` bounding the wait."""
         ...
 
 

@@ -9,12 +9,19 @@ from __future__ import annotations
 import asyncio
 from _thread import get_ident
 from asyncio import Future
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
 from inspect import isawaitable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ._deadlock import register_entry_code
-from ._errors import awaitable_result, check_function, key_error, not_awaitable
+from ._errors import (
+    awaitable_result,
+    check_function,
+    check_timeout,
+    key_error,
+    not_awaitable,
+    warn_deprecated_call,
+)
 from ._fence import register_turn_code
 from ._locks import TurnLock
 from ._loops import (
@@ -26,7 +33,7 @@ from ._loops import (
     running_loop,
     task_of,
 )
-from ._multikey import TurnsLock, acquire_all, check_timeout, leave_all
+from ._multikey import TurnsLock, acquire_all, leave_all
 from ._options import MultiKeyWaitOptions
 from ._protocols import KeyLock
 from ._records import KeyState
@@ -137,13 +144,22 @@ class KeyedSerialQueue:
         """The per-key bound on running plus waiting calls, or ``None``."""
         return self._max_pending
 
-    def with_options(self, *, timeout: float | None = None) -> MultiKeyWaitOptions:
+    def with_options(
+        self, *, timeout: float | None = None, group: Hashable | None = None
+    ) -> MultiKeyWaitOptions:
         """This queue's ``run``, ``submit``, ``lock``, ``run_all`` and ``lock_all``, each with
         ``timeout`` bounding the wait for the turn (``0``: try once, never wait); keyword
         arguments still go to the function. See [WaitOptions][keyserial.WaitOptions].
 
+        ``group`` makes the view's single-key calls coalescing (latest wins): a call that
+        has to wait supersedes the call of the same key and group that is still waiting,
+        which then raises [Superseded][keyserial.Superseded] and never starts. A call that
+        has started is never interrupted; calls of other groups keep their places.
+        ``@serialized(coalesce=True)`` gives each function a group of its own.
+
         Raises:
             ValueError: ``timeout`` is negative or not a number.
+            TypeError: ``group`` is not hashable.
 
         Example:
             ```pycon
@@ -157,7 +173,20 @@ class KeyedSerialQueue:
 
             ```
         """
-        return MultiKeyWaitOptions(self, self._submit, timeout)
+        if group is not None:
+            try:
+                hash(group)
+            except TypeError as exc:
+                raise TypeError(f"group must be hashable, got {group!r}") from exc
+        return MultiKeyWaitOptions(
+            self,
+            call=self._call,
+            submit=self._submit,
+            lock=self.lock,
+            lock_all=self.lock_all,
+            timeout=timeout,
+            group=group,
+        )
 
     # -- inspecting and closing ----------------------------------------------------------
 
@@ -406,7 +435,7 @@ class KeyedSerialQueue:
             ```
         """
         check_function(fn, "submit")
-        return self._submit(key, fn, args, kwargs, None)
+        return self._submit(key, fn, args, kwargs, None, None)
 
     def _submit(
         self,
@@ -415,9 +444,10 @@ class KeyedSerialQueue:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None,
+        group: Hashable | None,
     ) -> asyncio.Task[T]:
-        loop = running_loop()
-        return submit(self._shares.of(loop), key, fn, args, kwargs, self._max_pending, timeout)
+        share = self._shares.of(running_loop())
+        return submit(share, key, fn, args, kwargs, self._max_pending, timeout, group)
 
     def lock(
         self, key: Hashable, timeout: float | None = None, group: Hashable | None = None
@@ -427,7 +457,8 @@ class KeyedSerialQueue:
         The block registers when it is entered. ``timeout`` bounds only the
         wait for the turn; entering from the task that already holds ``key``
         does not wait and does not release the outer turn on exit. ``group``
-        coalesces as for [call][keyserial.KeyedSerialQueue.call].
+        coalesces as for [with_options][keyserial.KeyedSerialQueue.with_options]; both are
+        the same as ``queue.with_options(timeout=..., group=...).lock(key)``.
 
         Raises:
             TimeoutError: the turn did not come within ``timeout`` seconds.
@@ -451,10 +482,6 @@ class KeyedSerialQueue:
         """
         check_timeout(timeout)
         return TurnLock(self._shares, key, timeout, group, self._max_pending)
-
-    # run() and call() share one body, written out twice because their signatures differ
-    # and a second coroutine per call costs time and, while waiting, memory (measured in
-    # benchmarks/). Keep the two bodies identical: tests/test_twins.py checks it.
 
     async def run(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
@@ -559,7 +586,21 @@ class KeyedSerialQueue:
             elif held is not task:  # a contended turn: hand it on
                 share.release(key, held)  # type: ignore[arg-type]
 
-    async def call(
+    async def _call(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        group: Hashable | None,
+    ) -> T:
+        """``run`` with options (``with_options``): the turn of a ``lock()`` block."""
+        check_timeout(timeout)
+        async with TurnLock(self._shares, key, timeout, group, self._max_pending):
+            return await awaitable_result(fn, fn(*args, **kwargs))
+
+    def call(
         self,
         key: Hashable,
         fn: Callable[..., Awaitable[T]],
@@ -567,116 +608,15 @@ class KeyedSerialQueue:
         kwargs: dict[str, Any],
         timeout: float | None = None,
         group: Hashable | None = None,
-    ) -> T:
-        """Run ``await fn(*args, **kwargs)`` in ``key``'s turn: ``run`` with more options.
+    ) -> Coroutine[Any, Any, T]:
+        """Deprecated: ``queue.with_options(timeout=..., group=...).run(key, fn, *args, **kwargs)``.
 
-        ``timeout`` bounds only the wait for the turn: on expiry the built-in
-        `TimeoutError` is raised, ``fn`` never starts and the key is not
-        left blocked. Once started, ``fn`` runs to completion.
-
-        ``group`` makes the call coalescing (latest wins): when it has to wait,
-        it supersedes the call of the same key and group that is still waiting,
-        which then raises [Superseded][keyserial.Superseded] and never starts. A call that has
-        started is never interrupted; calls of other groups keep their places.
-
-        Raises:
-            TimeoutError: the turn did not come within ``timeout`` seconds.
-            Superseded: a newer call of the same ``group`` replaced this one.
-            ValueError: ``timeout`` is negative.
-            QueueClosed, QueueFull, TypeError, RuntimeError: as for
-                [run][keyserial.KeyedSerialQueue.run].
-
-        Example:
-            ```pycon
-            >>> import asyncio
-            >>> from keyserial import KeyedSerialQueue
-            >>> async def add(a: int, b: int) -> int:
-            ...     return a + b
-            >>> asyncio.run(KeyedSerialQueue().call("k", add, (1, 2), {}, timeout=1.0))
-            3
-
-            ```
+        Warns:
+            DeprecationWarning: always; the call then runs as ``with_options(...).run``.
         """
-        if timeout is not None:
-            check_timeout(timeout)
-        if not callable(fn):
-            check_function(fn, "run")  # call is run with more options: its error says run
-        share = self._shares.cached
-        loop = share.thread_loop  # None but where the thread tells the loop (see LoopShares.of)
-        if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
-            try:
-                loop = get_running_loop()
-            except RuntimeError:
-                raise no_event_loop() from None
-            if share.open_loop is not loop:  # another loop's share, or a closed one
-                share = self._shares.of(loop)
-                if share.closed:
-                    return await on_closed_share(share, key, fn, args, kwargs)
-        task = task_of(loop)
-        if task is None:
-            raise outside_task()
-        holders = share.holders
-        try:
-            # A membership test is cheaper than a get() call when the key is free (the usual case).
-            holder = holders[key] if key in holders else None  # noqa: SIM401
-        except Exception as exc:
-            raise key_error(key, exc) from exc
-        if holder is None:
-            holders[key] = task  # the uncontended path: one dict entry, nothing else
-        else:
-            if (  # anything but the commonest case goes to register(): see quick_waits
-                type(holder) is not KeyState
-                or not share.quick_waits
-                or holder.holder is task
-                or getattr(holder.holder, "_fut_waiter", True) is not None  # not running
-                or loop._task_factory is not None  # type: ignore[attr-defined]
-                or self._max_pending is not None
-                or timeout is not None
-                or group is not None
-            ):
-                waiter = share.register(key, holder, task, timeout, self._max_pending, group)
-                if waiter is None:  # re-entry: run inside the turn this task holds
-                    return await awaitable_result(fn, fn(*args, **kwargs))
-            else:  # queued as register() would, a frame fewer (no new local)
-                waiter = share.new_future()
-                holder.pending += 1
-                holder.waiters.append(waiter)
-            since = share.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
-            try:
-                granted = await waiter
-            except BaseException:
-                share.give_up(key, waiter)
-                raise
-            if granted is True and type(waiter) is Future:  # take_turn, without its frame
-                state: KeyState = holders[key]  # type: ignore[assignment]
-                state.holder, state.since = task, share.clock()
-            else:
-                share.take_turn(key, waiter, task)
-        result: Any = UNCALLED  # what fn returned, for the error if it cannot be awaited
-        try:
-            if kwargs:
-                result = fn(*args, **kwargs)
-            elif args:
-                result = fn(*args)  # kwargs is empty: unpacking it costs
-            else:
-                # A plain call makes fn's coroutine in this interpreter loop; an unpacking
-                # one goes through the C call protocol.
-                result = fn()
-            return await result  # type: ignore[no-any-return]
-        except BaseException as exc:
-            share.counts.failure(exc)
-            if type(exc) is TypeError and result is not UNCALLED and not isawaitable(result):
-                raise not_awaitable(fn, result) from None
-            raise
-        finally:
-            try:
-                held = holders.pop(key)
-            except Exception as exc:  # the key broke during the turn: never leave it stuck
-                raise share.remove_broken(key, exc) from exc
-            if share.attention:
-                share.end_turn(key, held, task)
-            elif held is not task:  # a contended turn: hand it on
-                share.release(key, held)  # type: ignore[arg-type]
+        warn_deprecated_call(type(self).__name__)
+        check_function(fn, "call")
+        return self._call(key, fn, args, kwargs, timeout, group)
 
 
 _OBSERVED_QUEUE: list[type[KeyedSerialQueue]] = []
@@ -701,10 +641,10 @@ def _single_key_fence(frame: Mapping[str, Any]) -> int | None:
 # Frames of these methods run a turn: current_fence() finds them on the task's await chain,
 # and the deadlock check names a task running one after the function it runs. A run or a
 # call waiting for its turn says in its frame what it waits for (see _waiting).
-for _code in (KeyedSerialQueue.run.__code__, KeyedSerialQueue.call.__code__):
-    register_turn_code(_code, _single_key_fence)
-    register_entry_code(_code)
-    register_waiting_code(_code, share_local="share")
+register_turn_code(KeyedSerialQueue.run.__code__, _single_key_fence)
+register_entry_code(KeyedSerialQueue.run.__code__)
+register_waiting_code(KeyedSerialQueue.run.__code__, share_local="share")
+register_entry_code(KeyedSerialQueue._call.__code__)  # pyright: ignore[reportPrivateUsage]
 register_turn_code(KeyedSerialQueue.run_all.__code__, _multi_key_fence)
 register_entry_code(KeyedSerialQueue.run_all.__code__)
 register_turn_code(Submission.execute.__code__, _single_key_fence)

@@ -92,7 +92,7 @@ class LoopShare:
         self.new_future: Callable[[], Future[Any]] = (
             Future if _FUTURE_FINDS_LOOP_CHEAPLY else functools.partial(Future, loop=loop)
         )
-        # Whether run() and call() may queue a call without options behind a running holder
+        # Whether run() may queue a call without options behind a running holder
         # on an open share themselves, as register() would, a frame fewer: where the loop's
         # _task_factory is asyncio's field and only a factory starts tasks eagerly. The
         # behaviour suites run with it on and off (tests/conftest.py).

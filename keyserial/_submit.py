@@ -72,10 +72,11 @@ def submit(
     kwargs: dict[str, Any],
     max_pending: int | None,
     timeout: float | None = None,
+    group: Hashable | None = None,
 ) -> asyncio.Task[T]:
     """Register a call of ``fn`` on ``key`` now, and start a task that runs it in its turn.
 
-    ``timeout`` bounds the task's wait for the turn.
+    ``timeout`` bounds the task's wait for the turn; ``group`` makes it coalescing.
     """
     loop: asyncio.AbstractEventLoop = share.loop  # type: ignore[assignment]
     if share.closed:
@@ -90,7 +91,7 @@ def submit(
         waiter: Wait | None = new_waiter(loop, share, key, None, share.clock())
         waiter.set_result(True)  # type: ignore[union-attr]
     else:
-        waiter = share.register(key, holder, NEW_TASK, timeout, max_pending)
+        waiter = share.register(key, holder, NEW_TASK, timeout, max_pending, group)
     assert waiter is not None  # a task that does not exist yet holds nothing
     submission = Submission(share, key, waiter)
     coroutine = cast("CoroutineType[Any, Any, T]", submission.execute(fn, args, kwargs))  # pyright: ignore[reportUnnecessaryCast]  # mypy sees a Coroutine

@@ -68,7 +68,8 @@ async def clients(redis_server: RedisServer) -> AsyncIterator[Clients]:
         await client.aclose()
 
 
-#: Runs ``fn(*args, **kwargs)`` in ``key``'s turn of ``queue``: through ``run`` or ``call``.
+#: Runs ``fn(*args, **kwargs)`` in ``key``'s turn of ``queue``: through ``run``, or through the
+#: ``run`` of a ``with_options`` view (the path every call with options takes).
 RunInTurn = Callable[..., Coroutine[Any, Any, Any]]
 
 
@@ -82,14 +83,14 @@ def _through_run(
     return queue.run(key, fn, *args, **kwargs)
 
 
-def _through_call(
+def _through_options(
     queue: KeyedSerialQueue,
     key: Hashable,
     fn: Callable[..., Awaitable[Any]],
     *args: Any,
     **kwargs: Any,
 ) -> Coroutine[Any, Any, Any]:
-    return queue.call(key, fn, args, kwargs)
+    return queue.with_options().run(key, fn, *args, **kwargs)
 
 
 def without_quick_waits(queue: KeyedSerialQueue) -> None:
@@ -114,14 +115,15 @@ def _through_run_without_quick_waits(
     return queue.run(key, fn, *args, **kwargs)
 
 
-@pytest.fixture(params=["run", "call", "run without quick waits"])
+@pytest.fixture(params=["run", "with_options", "run without quick waits"])
 def run_in_turn(request: pytest.FixtureRequest) -> RunInTurn:
-    """``queue.run`` and ``queue.call`` in turn: the two copies of the hot path; and ``run``
-    with its written-out registration switched off, so that the same suites also cover
-    ``LoopShare.register``, the code those copies repeat for the commonest case."""
+    """``queue.run`` (the hot path) and ``queue.with_options().run`` (the path of every call
+    with options) in turn; and ``run`` with its written-out registration switched off, so
+    that the same suites also cover ``LoopShare.register``, the code ``run`` repeats for the
+    commonest case."""
     return {
         "run": _through_run,
-        "call": _through_call,
+        "with_options": _through_options,
         "run without quick waits": _through_run_without_quick_waits,
     }[request.param]
 

@@ -95,7 +95,7 @@ async def work(
             call, key = f"{pid}.{lane}.{number}", f"key-{rng.randrange(keys)}"
             registered = time.monotonic_ns()
             try:
-                await queue.call(key, turn, (call, key), {}, timeout=2 * lease)
+                await queue.with_options(timeout=2 * lease).run(key, turn, call, key)
                 outcome = "ok"
             except LeaseLost:
                 outcome = "lost"

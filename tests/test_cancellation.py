@@ -147,7 +147,7 @@ async def test_timeout_bounds_only_the_wait(run_in_turn: RunInTurn) -> None:
         raise AssertionError("a timed-out call must not start")
 
     with pytest.raises(TimeoutError, match="'k'"):
-        await queue.call("k", never_runs, (), {}, timeout=0)
+        await queue.with_options(timeout=0).run("k", never_runs)
     with pytest.raises(TimeoutError):
         async with queue.lock("k", timeout=0.001):
             raise AssertionError("a timed-out lock must not be entered")
@@ -165,7 +165,7 @@ async def test_timeout_does_not_fire_when_the_turn_comes_in_time(run_in_turn: Ru
     queue, rec = KeyedSerialQueue(), Recorder()
     holder = asyncio.create_task(run_in_turn(queue, "k", rec.step, "holder"))
     await settle()
-    waiter = asyncio.create_task(queue.call("k", rec.step, ("waiter",), {}, timeout=3600))
+    waiter = asyncio.create_task(queue.with_options(timeout=3600).run("k", rec.step, "waiter"))
     await settle()
     rec.gate("holder").set()
     rec.gate("waiter").set()
@@ -173,7 +173,7 @@ async def test_timeout_does_not_fire_when_the_turn_comes_in_time(run_in_turn: Ru
     await holder
     # A long running call is not cut by the wait timeout once it started.
     queue2, rec2 = KeyedSerialQueue(), Recorder()
-    running = asyncio.create_task(queue2.call("k", rec2.step, ("slow",), {}, timeout=0))
+    running = asyncio.create_task(queue2.with_options(timeout=0).run("k", rec2.step, "slow"))
     await settle()
     assert rec2.log == ["start slow"]
     rec2.gate("slow").set()
@@ -185,7 +185,7 @@ async def test_external_cancel_wins_over_an_expired_timeout(run_in_turn: RunInTu
     holder = asyncio.create_task(run_in_turn(queue, "k", rec.step, "holder"))
     await settle()
     # The smallest wait that still waits (timeout=0 is a try, which never registers).
-    waiter = asyncio.create_task(queue.call("k", rec.step, ("w",), {}, timeout=1e-9))
+    waiter = asyncio.create_task(queue.with_options(timeout=1e-9).run("k", rec.step, "w"))
     await asyncio.sleep(0)  # the waiter registers and its timer is armed
     await asyncio.sleep(0)  # the timer fires: the waiter is woken as timed out
     waiter.cancel()  # ... and cancelled before it resumes

@@ -61,7 +61,7 @@ async def test_burst_keeps_one_running_and_one_waiting() -> None:
         return i
 
     tasks = [
-        asyncio.create_task(queue.call("k", slow_save, (i,), {}, group="partials"))
+        asyncio.create_task(queue.with_options(group="partials").run("k", slow_save, i))
         for i in range(5000)
     ]
     await settle()
@@ -87,13 +87,13 @@ async def test_coalescing_respects_max_pending_by_replacing() -> None:
 
     holder = asyncio.create_task(queue.run("k", hold))
     await settle()
-    first = asyncio.create_task(queue.call("k", work, (1,), {}, group="g"))
+    first = asyncio.create_task(queue.with_options(group="g").run("k", work, 1))
     await settle()
     # The key is full, but a call of the same group replaces the waiting one.
-    second = asyncio.create_task(queue.call("k", work, (2,), {}, group="g"))
+    second = asyncio.create_task(queue.with_options(group="g").run("k", work, 2))
     await settle()
     with pytest.raises(QueueFull):
-        await queue.call("k", work, (3,), {}, group="other group")
+        await queue.with_options(group="other group").run("k", work, 3)
     gate.set()
     await holder
     with pytest.raises(Superseded):
@@ -114,9 +114,9 @@ async def test_superseded_then_cancelled_and_timed_out_waiters_leave_no_trace() 
 
     holder = asyncio.create_task(queue.run("k", hold))
     await settle()
-    a = asyncio.create_task(queue.call("k", work, (1,), {}, group="g"))
+    a = asyncio.create_task(queue.with_options(group="g").run("k", work, 1))
     await settle()
-    b = asyncio.create_task(queue.call("k", work, (2,), {}, group="g"))
+    b = asyncio.create_task(queue.with_options(group="g").run("k", work, 2))
     a.cancel()  # superseded and cancelled before it resumes
     await settle()
     with pytest.raises(TimeoutError):
@@ -139,3 +139,38 @@ async def test_coalesce_is_for_single_keys() -> None:
 
     with pytest.raises(TypeError, match="coalesce"):
         serialized(keys=lambda a, b: (a, b), coalesce=True)(merge)
+
+
+async def test_a_view_with_a_group_coalesces_submit_and_lock_too() -> None:
+    queue = KeyedSerialQueue()
+    gate = asyncio.Event()
+    ran: list[str] = []
+
+    async def hold() -> None:
+        await gate.wait()
+
+    async def note(name: str) -> None:
+        ran.append(name)
+
+    partials = queue.with_options(group="partials")
+    holder = queue.submit("k", hold)
+    older = partials.submit("k", note, "older")
+    newer = partials.submit("k", note, "newer")
+    other = queue.submit("k", note, "ungrouped")
+    await settle()
+    assert older.done() and isinstance(older.exception(), Superseded)
+    gate.set()
+    await asyncio.gather(holder, newer, other)
+    assert ran == ["newer", "ungrouped"]
+
+    async def block() -> None:
+        async with partials.lock("k"):
+            ran.append("block")
+
+    assert repr(partials).startswith("<MultiKeyWaitOptions timeout=None group='partials' of")
+    await block()
+    assert ran[-1] == "block"
+    with pytest.raises(ValueError, match="several keys do not coalesce"):
+        partials.lock_all(["a", "b"])
+    with pytest.raises(TypeError, match="group must be hashable"):
+        queue.with_options(group=["not", "hashable"])  # type: ignore[arg-type]

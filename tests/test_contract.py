@@ -177,7 +177,7 @@ async def test_keyword_arguments_reach_the_function(run_in_turn: RunInTurn) -> N
         return a + b
 
     assert await run_in_turn(queue, "k", join_words, "x", b="y") == "xy"
-    assert await queue.call("k", join_words, ("x",), {"b": "z"}) == "xz"
+    assert await queue.with_options(timeout=1).run("k", join_words, "x", b="z") == "xz"
 
 
 async def test_every_shape_of_arguments_reaches_the_function(run_in_turn: RunInTurn) -> None:
@@ -252,3 +252,17 @@ async def test_closing_refuses_a_call_that_would_queue_behind_a_running_holder(
         late.result()
     await asyncio.gather(holder, queued, closing)
     assert log == ["holder", "queued"]
+
+
+async def test_call_is_deprecated_and_still_runs_as_with_options_run() -> None:
+    queue = KeyedSerialQueue()
+
+    async def add(a: int, *, b: int) -> int:
+        return a + b
+
+    with pytest.warns(DeprecationWarning, match=r"with_options\(timeout=\.\.\., group=\.\.\.\)"):
+        coroutine = queue.call("k", add, (1,), {"b": 2}, timeout=1.0)
+    assert await coroutine == 3
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="timeout"):
+        await queue.call("k", add, (1,), {"b": 2}, timeout=-1)
+    assert len(queue) == 0

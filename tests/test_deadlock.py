@@ -162,7 +162,7 @@ def _wait_for_k2(queue: KeyedSerialQueue, how: str) -> Callable[[], Awaitable[No
         if how == "run":
             await queue.run("k2", nothing)
         elif how == "call with timeout":
-            await queue.call("k2", nothing, (), {}, timeout=30)
+            await queue.with_options(timeout=30).run("k2", nothing)
         elif how == "lock":
             async with queue.lock("k2"):
                 pass

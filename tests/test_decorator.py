@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from keyserial import KeyedSerialQueue, default_queue, serialized
+from keyserial import KeyedSerialQueue, WaitOptions, default_queue, serialized
 
 from . import serialized_targets as targets
 from .scheduling import settle
@@ -52,19 +52,11 @@ async def test_key_by_name_from_positional_keyword_and_default() -> None:
 
     class SpyQueue:
         def run(self, key: object, fn: Callable[..., Awaitable[Any]], /, *a: Any, **k: Any) -> Any:
-            raise AssertionError("@serialized routes through call()")
-
-        def call(
-            self,
-            key: object,
-            fn: Callable[..., Awaitable[Any]],
-            args: tuple[Any, ...],
-            kwargs: dict[str, Any],
-            timeout: float | None = None,
-            group: object = None,
-        ) -> Any:
             seen.append(key)
-            return queue.call(key, fn, args, kwargs, timeout, group)
+            return queue.run(key, fn, *a, **k)
+
+        def with_options(self, *, timeout: float | None = None) -> WaitOptions:
+            raise AssertionError("@serialized without options routes through run()")
 
     @serialized(key="seg", queue=SpyQueue())
     async def handler(prefix: str, seg: str = "default-seg", *, flag: bool = False) -> str:

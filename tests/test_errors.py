@@ -47,7 +47,7 @@ async def test_negative_timeout_is_rejected_before_waiting() -> None:
     with pytest.raises(ValueError, match="timeout"):
         queue.lock("k", timeout=-1)
     with pytest.raises(ValueError, match="timeout"):
-        await queue.call("k", noop, (), {}, timeout=-0.5)
+        await queue.with_options(timeout=-0.5).run("k", noop)
 
 
 async def test_max_pending_rejects_the_call_that_would_exceed_it(run_in_turn: RunInTurn) -> None:
@@ -221,7 +221,7 @@ async def test_a_key_whose_hash_raises_is_a_type_error_everywhere(run_in_turn: R
         await run_in_turn(queue, key, noop)
     assert isinstance(info.value.__cause__, ValueError)
     with pytest.raises(TypeError, match="no hash today"):
-        await queue.call(key, noop, (), {})
+        await queue.run(key, noop)
     with pytest.raises(TypeError, match="no hash today"):
         queue.submit(key, noop)
     with pytest.raises(TypeError, match="no hash today"):

@@ -28,7 +28,7 @@ async def test_a_wait_times_out_exactly_at_its_timeout() -> None:
     holder = asyncio.create_task(queue.run("k", rec.step, "holder"))
     await settle()
     start = loop.time()
-    waiter = asyncio.create_task(queue.call("k", rec.step, ("waiter",), {}, timeout=5))
+    waiter = asyncio.create_task(queue.with_options(timeout=5).run("k", rec.step, "waiter"))
     await asyncio.sleep(4.999)
     assert not waiter.done()
     with pytest.raises(TimeoutError):
@@ -45,7 +45,7 @@ async def test_a_timeout_does_not_cut_a_turn_that_came_in_time() -> None:
     queue, rec = KeyedSerialQueue(), Recorder()
     holder = asyncio.create_task(queue.run("k", rec.step, "holder"))
     await settle()
-    waiter = asyncio.create_task(queue.call("k", rec.step, ("waiter",), {}, timeout=5))
+    waiter = asyncio.create_task(queue.with_options(timeout=5).run("k", rec.step, "waiter"))
     await asyncio.sleep(4)
     rec.gate("holder").set()
     await asyncio.sleep(10)  # the waiter runs past its wait timeout: not cut

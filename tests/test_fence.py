@@ -46,7 +46,7 @@ async def test_every_way_of_taking_a_turn_has_a_fence() -> None:
         return await note()
 
     await queue.run("k", note)
-    await queue.call("k", note, (), {}, 1.0)
+    await queue.with_options(timeout=1.0).run("k", note)
     await decorated("k")
     await queue.submit("k", note)
     await queue.run_all(["k", "other"], note)

@@ -43,14 +43,14 @@ async def test_stats_counts_every_kind_of_outcome(count_calls: bool) -> None:
     holder = asyncio.create_task(queue.run("k", hold))
     await settle()
     waiter = asyncio.create_task(queue.run("k", ok))
-    coalesced = asyncio.create_task(queue.call("k", ok, (), {}, None, "g"))
+    coalesced = asyncio.create_task(queue.with_options(group="g").run("k", ok))
     await settle()
-    superseding = asyncio.create_task(queue.call("k", ok, (), {}, None, "g"))
+    superseding = asyncio.create_task(queue.with_options(group="g").run("k", ok))
     await settle()
     with pytest.raises(Superseded):
         await coalesced
     with pytest.raises(TimeoutError):
-        await queue.call("k", ok, (), {}, 0)
+        await queue.with_options(timeout=0).run("k", ok)
     extra = asyncio.create_task(queue.run("k", ok))
     await settle()
     with pytest.raises(QueueFull):
@@ -85,7 +85,7 @@ async def _wait_by(queue: KeyedSerialQueue, how: str, key: str) -> None:
     if how == "run":
         await queue.run(key, nothing)
     elif how == "call with timeout":
-        await queue.call(key, nothing, (), {}, timeout=60)
+        await queue.with_options(timeout=60).run(key, nothing)
     elif how == "lock":
         async with queue.lock(key):
             pass
@@ -323,7 +323,7 @@ async def test_counting_covers_every_way_of_taking_a_turn() -> None:
         return current_fence()
 
     await queue.run("a", ok)
-    await queue.call("a", ok, (), {})
+    await queue.run("a", ok)
     await queue.submit("a", ok)
     await queue.run_all(["a", "b"], ok)
     async with queue.lock("a"):

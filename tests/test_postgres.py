@@ -138,7 +138,7 @@ async def test_timeout_and_cancel_end_the_server_side_wait(pools: Pools) -> None
         raise AssertionError("a call that timed out must not start")
 
     with pytest.raises(TimeoutError):
-        await queue.call("k", never, (), {}, timeout=0.3)
+        await queue.with_options(timeout=0.3).run("k", never)
     assert await _waiting_locks(admin) == 0
     waiting = asyncio.create_task(queue.run("k", never))
     for _ in range(200):
@@ -250,8 +250,8 @@ async def test_bad_input(pools: Pools) -> None:
 
     with pytest.raises(TypeError, match="PostgresKeyedQueue keys must be str"):
         await queue.run(1.5, work)
-    with pytest.raises(ValueError, match="group"):
-        await queue.call("k", work, (), {}, None, "g")
+    with pytest.raises(TypeError, match="coalesce=True needs an in-process KeyedSerialQueue"):
+        serialized(coalesce=True, queue=queue)(work)
 
 
 async def test_a_database_that_is_down_fails_calls_clearly() -> None:

@@ -50,7 +50,7 @@ def test_every_public_name_and_method_has_a_docstring() -> None:
 
 def test_callables_document_what_they_raise() -> None:
     # Every public callable that can fail on bad input says so in a "Raises:" section.
-    queue_methods = ["run", "call", "submit", "lock"]
+    queue_methods = ["run", "with_options", "submit", "lock"]
     documented = [keyserial.serialized, keyserial.KeyedSerialQueue] + [
         getattr(keyserial.KeyedSerialQueue, name) for name in queue_methods
     ]

@@ -97,7 +97,9 @@ async def run_schedule(keys: int, schedule: list[Call], quick_waits: bool) -> No
             tasks.append(queue.submit(held[0], body, *args))
             order = 0  # registers now
         elif kind == "call":
-            coroutine = queue.call(held[0], body, args, {}, call.timeout, call.group)
+            coroutine = queue.with_options(timeout=call.timeout, group=call.group).run(
+                held[0], body, *args
+            )
             tasks.append(asyncio.create_task(coroutine))
         else:
             tasks.append(asyncio.create_task(queue.run(held[0], body, *args)))

@@ -118,7 +118,7 @@ async def test_reentry_and_wait_timeout(clients: Clients) -> None:
         seen.append(current_fence())
         await queue.run("k", inner)  # same task: runs inside this turn
         with pytest.raises(TimeoutError):
-            await other.call("k", inner, (), {}, 0.2)  # another "process" must wait
+            await other.with_options(timeout=0.2).run("k", inner)  # another "process" must wait
 
     await queue.run("k", outer)
     assert seen[0] == seen[1]
@@ -365,8 +365,8 @@ async def test_bad_arguments() -> None:
     with pytest.raises(TypeError, match=r"needs an asyncio client .*, not builtins\.object"):
         RedisKeyedQueue(object(), namespace="n")  # type: ignore[arg-type]
     queue = RedisKeyedQueue(client, namespace="n")
-    with pytest.raises(ValueError, match="group"):
-        await queue.call("k", asyncio.sleep, (0,), {}, None, "g")
+    with pytest.raises(TypeError, match="coalesce=True needs an in-process KeyedSerialQueue"):
+        serialized(coalesce=True, queue=queue)(asyncio.sleep)
     await client.aclose()
 
 

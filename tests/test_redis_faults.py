@@ -151,7 +151,7 @@ async def test_a_timeout_bounds_the_wait_while_redis_stalls(
     else:
         stall = asyncio.create_task(debug_sleep(pauser, 1.5))
         await asyncio.sleep(0.1)
-    call = asyncio.create_task(queue.call("k", work, (), {}, timeout=0.3))
+    call = asyncio.create_task(queue.with_options(timeout=0.3).run("k", work))
     # The test waits less than the stall: a timeout that waits for Redis to answer fails it.
     done, _ = await asyncio.wait([call], timeout=1.0)
     assert done, "the call's timeout did not hold while Redis stalled"

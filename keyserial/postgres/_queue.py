@@ -9,7 +9,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from psycopg_pool import AsyncConnectionPool
 
-from .._errors import awaitable_result, check_function
+from .._errors import awaitable_result, check_function, warn_deprecated_call
 from .._fence import register_turn_code
 from .._options import MultiKeyWaitOptions
 from .._protocols import KeyLock
@@ -167,16 +167,16 @@ class PostgresKeyedQueue:
             QueueClosed, QueueFull: as for [KeyedSerialQueue][keyserial.KeyedSerialQueue].
         """
         check_function(fn, "run")
-        return self.call(key, fn, args, kwargs)
+        return self._call(key, fn, args, kwargs, None, None)
 
-    async def call(
+    async def _call(
         self,
         key: Hashable,
         fn: Callable[..., Awaitable[T]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        timeout: float | None = None,
-        group: Hashable | None = None,
+        timeout: float | None,
+        group: Hashable | None,
     ) -> T:
         """``run`` with a bound on the wait for the turn (in the process and in the database).
 
@@ -189,20 +189,38 @@ class PostgresKeyedQueue:
             TypeError, PostgresUnavailable, DeadlockError, QueueClosed, QueueFull: as
                 for ``run``.
         """
-        if group is not None:
+        if group is not None:  # with_options takes no group here: only call() passes one
             raise ValueError("PostgresKeyedQueue does not coalesce: group= is in-process only")
         ids = self._ids((key,))
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        return await self._local.call(
-            key, self._turn, (ids, fn, args, kwargs, deadline), {}, timeout
-        )
+        # Without a bound, the in-process queue's own run: its fastest path.
+        local = self._local if timeout is None else self._local.with_options(timeout=timeout)
+        return await local.run(key, self._turn, ids, fn, args, kwargs, deadline)
+
+    def call(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+        group: Hashable | None = None,
+    ) -> Coroutine[Any, Any, T]:
+        """Deprecated: ``queue.with_options(timeout=...).run(key, fn, *args, **kwargs)``.
+
+        Warns:
+            DeprecationWarning: always; the call then runs as ``with_options(...).run``.
+        """
+        warn_deprecated_call(type(self).__name__)
+        check_function(fn, "call")
+        return self._call(key, fn, args, kwargs, timeout, group)
 
     def submit(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> asyncio.Task[T]:
         """Start ``run`` as a new task, registered in this process before returning."""
         check_function(fn, "submit")
-        return self._submit(key, fn, args, kwargs, None)
+        return self._submit(key, fn, args, kwargs, None, None)
 
     def _submit(
         self,
@@ -211,7 +229,10 @@ class PostgresKeyedQueue:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None,
+        group: Hashable | None,
     ) -> asyncio.Task[T]:
+        if group is not None:  # with_options takes no group here
+            raise ValueError(f"{type(self).__name__} does not coalesce: group= is in-process only")
         ids = self._ids((key,))
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         local = self._local.with_options(timeout=timeout)
@@ -225,7 +246,14 @@ class PostgresKeyedQueue:
         Raises:
             ValueError: ``timeout`` is negative or not a number.
         """
-        return MultiKeyWaitOptions(self, self._submit, timeout)
+        return MultiKeyWaitOptions(
+            self,
+            call=self._call,
+            submit=self._submit,
+            lock=self._lock,
+            lock_all=self.lock_all,
+            timeout=timeout,
+        )
 
     async def run_all(
         self,
@@ -256,6 +284,11 @@ class PostgresKeyedQueue:
         ``timeout`` bounds the wait, as in
         [with_options][keyserial.postgres.PostgresKeyedQueue.with_options].
         """
+        return self._lock(key, timeout, None)
+
+    def _lock(self, key: Hashable, timeout: float | None, group: Hashable | None) -> KeyLock:
+        if group is not None:  # with_options takes no group here
+            raise ValueError("PostgresKeyedQueue does not coalesce: group= is in-process only")
         ids = self._ids((key,))
         return PostgresLock(self._turns, self._local.lock(key, timeout), ids, timeout)
 

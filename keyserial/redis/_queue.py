@@ -10,7 +10,7 @@ from typing import Any, ParamSpec, TypeVar
 import redis.asyncio as redis_asyncio
 
 from .._cancels import cancel_count, withdraw_cancel
-from .._errors import LeaseLost, awaitable_result, check_function
+from .._errors import LeaseLost, awaitable_result, check_function, warn_deprecated_call
 from .._fence import register_turn_code
 from .._options import WaitOptions
 from .._protocols import KeyLock
@@ -160,16 +160,16 @@ class RedisKeyedQueue:
             QueueClosed, QueueFull: as for [KeyedSerialQueue][keyserial.KeyedSerialQueue].
         """
         check_function(fn, "run")
-        return self.call(key, fn, args, kwargs)
+        return self._call(key, fn, args, kwargs, None, None)
 
-    async def call(
+    async def _call(
         self,
         key: Hashable,
         fn: Callable[..., Awaitable[T]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        timeout: float | None = None,
-        group: Hashable | None = None,
+        timeout: float | None,
+        group: Hashable | None,
     ) -> T:
         """[run][keyserial.redis.RedisKeyedQueue.run] with a bound on the wait for the turn.
 
@@ -181,20 +181,38 @@ class RedisKeyedQueue:
             TimeoutError: the turn did not come within ``timeout`` seconds.
             TypeError, RedisUnavailable, LeaseLost, QueueClosed, QueueFull: as for ``run``.
         """
-        if group is not None:
+        if group is not None:  # with_options takes no group here: only call() passes one
             raise ValueError("RedisKeyedQueue does not coalesce: group= is in-process only")
         encoded = encode_key(key)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        return await self._local.call(
-            encoded, self._turn, (encoded, fn, args, kwargs, deadline), {}, timeout
-        )
+        # Without a bound, the in-process queue's own run: its fastest path.
+        local = self._local if timeout is None else self._local.with_options(timeout=timeout)
+        return await local.run(encoded, self._turn, encoded, fn, args, kwargs, deadline)
+
+    def call(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+        group: Hashable | None = None,
+    ) -> Coroutine[Any, Any, T]:
+        """Deprecated: ``queue.with_options(timeout=...).run(key, fn, *args, **kwargs)``.
+
+        Warns:
+            DeprecationWarning: always; the call then runs as ``with_options(...).run``.
+        """
+        warn_deprecated_call(type(self).__name__)
+        check_function(fn, "call")
+        return self._call(key, fn, args, kwargs, timeout, group)
 
     def submit(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> asyncio.Task[T]:
         """Start ``run`` as a new task, registered in this process before returning."""
         check_function(fn, "submit")
-        return self._submit(key, fn, args, kwargs, None)
+        return self._submit(key, fn, args, kwargs, None, None)
 
     def _submit(
         self,
@@ -203,7 +221,10 @@ class RedisKeyedQueue:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None,
+        group: Hashable | None,
     ) -> asyncio.Task[T]:
+        if group is not None:  # with_options takes no group here
+            raise ValueError(f"{type(self).__name__} does not coalesce: group= is in-process only")
         encoded = encode_key(key)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         local = self._local.with_options(timeout=timeout)
@@ -218,7 +239,9 @@ class RedisKeyedQueue:
         Raises:
             ValueError: ``timeout`` is negative or not a number.
         """
-        return WaitOptions(self, self._submit, timeout)
+        return WaitOptions(
+            self, call=self._call, submit=self._submit, lock=self._lock, timeout=timeout
+        )
 
     def lock(self, key: Hashable, timeout: float | None = None) -> KeyLock:
         """Hold ``key``'s turn for the body of an ``async with`` block.
@@ -226,6 +249,11 @@ class RedisKeyedQueue:
         ``timeout`` bounds the wait for the turn, as in
         [with_options][keyserial.redis.RedisKeyedQueue.with_options].
         """
+        return self._lock(key, timeout, None)
+
+    def _lock(self, key: Hashable, timeout: float | None, group: Hashable | None) -> KeyLock:
+        if group is not None:  # with_options takes no group here
+            raise ValueError("RedisKeyedQueue does not coalesce: group= is in-process only")
         encoded = encode_key(key)
         return RedisLock(self._turns, self._local.lock(encoded, timeout), encoded, timeout)
 
