@@ -5,15 +5,13 @@ different keys run concurrently. See [KeyedSerialQueue][keyserial.KeyedSerialQue
 [serialized][keyserial.serialized].
 """
 
-from . import _observe as _observe  # registers the observed queue
 from ._decorator import serialized
-from ._default import default_queue
 from ._errors import DeadlockError, LeaseLost, QueueClosed, QueueFull, Superseded
 from ._fence import current_fence
-from ._observer import QueueObserver
+from ._observation import QueueObserver
 from ._options import MultiKeyWaitOptions, WaitOptions
 from ._protocols import KeyLock, MultiKeySerialQueue, SerialQueue
-from ._queue import KeyedSerialQueue
+from ._queue import KeyedSerialQueue, default_queue
 from ._stats import QueueStats
 
 __all__ = [

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast, overload
 
 import wrapt
 
-from ._default import default_queue
 from ._keys import (
     FunctionKey,
     KeyExtractor,
@@ -23,7 +22,7 @@ from ._keys import (
     unhashable_key,
 )
 from ._protocols import MultiKeySerialQueue, SerialQueue
-from ._queue import KeyedSerialQueue
+from ._queue import KeyedSerialQueue, default_queue
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -32,7 +32,13 @@ from contextvars import ContextVar, Token
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
-from ._awaits import MAX_DEPTH, coroutine_chain, frame_of, future_of_thread_work, tasks_waiting_for
+from ._asyncio_internals import (
+    MAX_DEPTH,
+    coroutine_chain,
+    frame_of,
+    future_of_thread_work,
+    tasks_waiting_for,
+)
 
 V = TypeVar("V")
 
@@ -85,7 +91,7 @@ class FenceBook:
         self.by_key = {k: v for k, v in self.by_key.items() if k is not key}
 
 
-def register_turn_code(code: CodeType, reader: FenceReader) -> None:
+def register_fence_reader(code: CodeType, reader: FenceReader) -> None:
     """Declare that a frame running ``code`` is inside a turn whose fence ``reader`` reads."""
     _turn_readers[code] = reader
 

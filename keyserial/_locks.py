@@ -7,18 +7,20 @@ import sys
 from collections.abc import Hashable
 from contextvars import Token
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ._deadlock import block_entered, block_left, register_holding_code
 from ._errors import closed_error, key_error
 from ._fence import enter_lock_block, exit_lock_block
-from ._loops import LoopShares
-from ._reach import block_entered, block_left, register_holding_code
-from ._share import LoopShare
+
+if TYPE_CHECKING:
+    from ._loops import LoopShares
+    from ._share import LoopShare
 
 Task = asyncio.Task[Any]
 
 
-class TurnLock:
+class SingleKeyLock:
     """What ``KeyedSerialQueue.lock()`` returns: ``key``'s turn, for the block."""
 
     __slots__ = (
@@ -91,4 +93,4 @@ class TurnLock:
             share.leave(self._key, task)
 
 
-register_holding_code(TurnLock.__aenter__.__code__)
+register_holding_code(SingleKeyLock.__aenter__.__code__)

@@ -14,9 +14,9 @@ import sys
 from collections.abc import Hashable, Iterable, Sequence
 from contextvars import Token
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from ._deadlock import check_later, check_no_cycle
+from ._deadlock import block_entered, block_left, check_later, check_no_cycle, register_holding_code
 from ._errors import (
     QueueClosed,
     QueueFull,
@@ -24,10 +24,11 @@ from ._errors import (
     safe_repr,
 )
 from ._fence import enter_lock_block, exit_lock_block
-from ._loops import LoopShares
-from ._reach import block_entered, block_left, register_holding_code
 from ._records import KeyState, MultiRegistration, MultiTurn, expire, new_multi_waiter
-from ._share import LoopShare
+
+if TYPE_CHECKING:
+    from ._loops import LoopShares
+    from ._share import LoopShare
 
 Task = asyncio.Task[Any]
 T = TypeVar("T")
@@ -173,7 +174,7 @@ async def acquire_all(
     return registration
 
 
-class TurnsLock:
+class MultiKeyLock:
     """What ``KeyedSerialQueue.lock_all()`` returns: the turns of all ``keys``, for the block."""
 
     __slots__ = ("_fence_token", "_held", "_keys", "_max_pending", "_shares", "_timeout")

@@ -7,13 +7,14 @@ The work behind them lives in the modules they call: registration and hand-off i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from _thread import get_ident
 from asyncio import Future
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
 from inspect import isawaitable
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
-from ._deadlock import register_entry_code
+from ._deadlock import register_entry_code, register_waiting_code
 from ._errors import (
     awaitable_result,
     check_function,
@@ -22,8 +23,8 @@ from ._errors import (
     not_awaitable,
     warn_deprecated_call,
 )
-from ._fence import register_turn_code
-from ._locks import TurnLock
+from ._fence import register_fence_reader
+from ._locks import SingleKeyLock
 from ._loops import (
     LoopShares,
     get_running_loop,
@@ -33,16 +34,13 @@ from ._loops import (
     running_loop,
     task_of,
 )
-from ._multikey import TurnsLock, acquire_all, leave_all
+from ._multikey import MultiKeyLock, acquire_all, leave_all
+from ._observation import ObservedLock, QueueObserver, Watch, Watching, function_name
 from ._options import MultiKeyWaitOptions
 from ._protocols import KeyLock
 from ._records import KeyState
 from ._stats import QueueStats, snapshot
 from ._submit import Submission, submit
-from ._waiting import register_waiting_code
-
-if TYPE_CHECKING:
-    from ._observer import QueueObserver
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -121,7 +119,7 @@ class KeyedSerialQueue:
     ) -> KeyedSerialQueue:
         if cls is KeyedSerialQueue and (observer is not None or slow_turn is not None):
             # Only an observed queue times calls: a plain queue's hot path stays untouched.
-            cls = _OBSERVED_QUEUE[0]  # registered when keyserial/__init__.py imports it
+            cls = ObservedQueue
         return object.__new__(cls)
 
     def __init__(
@@ -401,7 +399,7 @@ class KeyedSerialQueue:
             ```
         """
         check_timeout(timeout)
-        return TurnsLock(self._shares, keys, timeout, self._max_pending)
+        return MultiKeyLock(self._shares, keys, timeout, self._max_pending)
 
     def submit(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
@@ -481,7 +479,7 @@ class KeyedSerialQueue:
             ```
         """
         check_timeout(timeout)
-        return TurnLock(self._shares, key, timeout, group, self._max_pending)
+        return SingleKeyLock(self._shares, key, timeout, group, self._max_pending)
 
     async def run(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
@@ -597,7 +595,7 @@ class KeyedSerialQueue:
     ) -> T:
         """``run`` with options (``with_options``): the turn of a ``lock()`` block."""
         check_timeout(timeout)
-        async with TurnLock(self._shares, key, timeout, group, self._max_pending):
+        async with SingleKeyLock(self._shares, key, timeout, group, self._max_pending):
             return await awaitable_result(fn, fn(*args, **kwargs))
 
     def call(
@@ -619,15 +617,111 @@ class KeyedSerialQueue:
         return self._call(key, fn, args, kwargs, timeout, group)
 
 
-_OBSERVED_QUEUE: list[type[KeyedSerialQueue]] = []
+class ObservedQueue(KeyedSerialQueue):
+    """A keyed serial queue that reports each call to an observer and warns of slow turns.
 
-
-def register_observed_queue(cls: type[KeyedSerialQueue]) -> None:
-    """Make ``cls`` the queue built for ``KeyedSerialQueue(observer=..., slow_turn=...)``.
-
-    The observing module registers its queue here, so that this module need not import it.
+    Made by ``KeyedSerialQueue(observer=..., slow_turn=...)``; see there.
     """
-    _OBSERVED_QUEUE[:] = [cls]
+
+    __slots__ = ("_watching",)
+
+    def __init__(
+        self,
+        max_pending: int | None = None,
+        *,
+        detect_deadlocks: bool = True,
+        count_calls: bool = False,
+        observer: QueueObserver | None = None,
+        slow_turn: float | None = None,
+    ) -> None:
+        super().__init__(max_pending, detect_deadlocks=detect_deadlocks, count_calls=count_calls)
+        if slow_turn is not None and not slow_turn > 0:
+            raise ValueError(f"slow_turn must be None or a number > 0, got {slow_turn!r}")
+        self._watching = Watching(observer, slow_turn)
+
+    async def run(
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        watch = Watch(self._watching, key, function_name(fn))
+        turn = super().run(key, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
+        return await watch.watch(turn)
+
+    async def _call(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        group: Hashable | None,
+    ) -> T:
+        watch = Watch(self._watching, key, function_name(fn))
+        call: Awaitable[T] = super()._call(  # pyright: ignore[reportAssignmentType]
+            key, watch.run, (fn, *args), kwargs, timeout, group
+        )
+        return await watch.watch(call)
+
+    def _submit(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        group: Hashable | None,
+    ) -> asyncio.Task[T]:
+        watch = Watch(self._watching, key, function_name(fn))
+        try:
+            task: asyncio.Task[T] = super()._submit(  # pyright: ignore[reportAssignmentType]
+                key, watch.run_and_finish, (fn, *args), kwargs, timeout, group
+            )
+        except BaseException as exc:
+            watch.finish(exc)
+            raise
+        # A task that ends before its turn (cancelled while waiting) never runs
+        # run_and_finish's report: this callback reports it.
+        task.add_done_callback(
+            lambda done: watch.finish(
+                asyncio.CancelledError() if done.cancelled() else done.exception()
+            )
+        )
+        return task
+
+    async def run_all(
+        self,
+        keys: Iterable[Hashable],
+        fn: Callable[P, Awaitable[T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        keys = tuple(keys)
+        watch = Watch(self._watching, keys, function_name(fn))
+        turn = super().run_all(keys, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
+        return await watch.watch(turn)
+
+    def lock(
+        self, key: Hashable, timeout: float | None = None, group: Hashable | None = None
+    ) -> KeyLock:
+        return ObservedLock(self._watching, key, super().lock(key, timeout, group))
+
+    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
+        keys = tuple(keys)
+        return ObservedLock(self._watching, keys, super().lock_all(keys, timeout))
+
+    def stats(self) -> QueueStats:
+        """As [stats][keyserial.KeyedSerialQueue.stats], with every running turn timed exactly."""
+        base = super().stats()
+        share = self._shares.inspected()
+        watches = [
+            w for w in self._watching.running if w.started is not None and w.loop is share.loop
+        ]
+        if not watches:
+            return base
+        now = watches[0].loop.time()
+        longest = max(watches, key=lambda w: now - w.started)  # type: ignore[operator]
+        running = (longest.key, now - longest.started)  # type: ignore[operator]
+        return dataclasses.replace(base, longest_running=running)
 
 
 def _multi_key_fence(frame: Mapping[str, Any]) -> int | None:
@@ -641,11 +735,33 @@ def _single_key_fence(frame: Mapping[str, Any]) -> int | None:
 # Frames of these methods run a turn: current_fence() finds them on the task's await chain,
 # and the deadlock check names a task running one after the function it runs. A run or a
 # call waiting for its turn says in its frame what it waits for (see _waiting).
-register_turn_code(KeyedSerialQueue.run.__code__, _single_key_fence)
+register_fence_reader(KeyedSerialQueue.run.__code__, _single_key_fence)
 register_entry_code(KeyedSerialQueue.run.__code__)
 register_waiting_code(KeyedSerialQueue.run.__code__, share_local="share")
 register_entry_code(KeyedSerialQueue._call.__code__)  # pyright: ignore[reportPrivateUsage]
-register_turn_code(KeyedSerialQueue.run_all.__code__, _multi_key_fence)
+register_fence_reader(KeyedSerialQueue.run_all.__code__, _multi_key_fence)
 register_entry_code(KeyedSerialQueue.run_all.__code__)
-register_turn_code(Submission.execute.__code__, _single_key_fence)
+register_fence_reader(Submission.execute.__code__, _single_key_fence)
 register_entry_code(Submission.execute.__code__)
+
+
+_DEFAULT_QUEUE = KeyedSerialQueue()
+
+
+def default_queue() -> KeyedSerialQueue:
+    """Return the process-wide queue shared by every ``@serialized`` function given no ``queue``.
+
+    Like every [KeyedSerialQueue][keyserial.KeyedSerialQueue], it behaves as if each event loop had
+    its own queue: work, keys and the closed state of one loop never affect
+    another, so ``asyncio.run`` after ``asyncio.run`` (or a test framework's
+    loop per test) starts from a clean queue.
+
+    Example:
+        ```pycon
+        >>> from keyserial import default_queue
+        >>> default_queue() is default_queue()
+        True
+
+        ```
+    """
+    return _DEFAULT_QUEUE

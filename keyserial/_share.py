@@ -20,21 +20,22 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from ._awaits import (
+from ._asyncio_internals import (
     EAGER_NEEDS_FACTORY,
     EAGER_TASKS,
     has_asyncio_accessors,
     is_running,
     is_task,
 )
-from ._broken import refused_for_broken_key, remove_broken_key
+from ._broken_keys import refused_for_broken_key, remove_broken_key
 from ._clock import loop_clock
-from ._deadlock import check_later, check_no_cycle
+from ._deadlock import check_later, check_no_cycle, register_waiting_code
 from ._errors import BrokenKeyError, QueueFull, Superseded, closed_error, safe_repr
 from ._fence import FenceBook
 from ._records import (
     GRANTED,
     NEW_TASK,
+    Counts,
     KeyState,
     MultiTurn,
     TimedWaiter,
@@ -42,8 +43,6 @@ from ._records import (
     is_dead,
     new_waiter,
 )
-from ._stats import Counts
-from ._waiting import register_waiting_code
 
 Task = asyncio.Task[Any]
 

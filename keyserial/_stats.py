@@ -2,54 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
-from ._awaits import is_task
-from ._records import KeyState, MultiTurn
-from ._waiting import waited_since
-
-
-class Counts:
-    """Cumulative counts of one loop's share, for ``stats()``.
-
-    Failures and the outcomes of waits are counted off the uncontended path (in an
-    ``except`` clause, or on the wait's own path), so they are always counted. Ended turns
-    are counted only when asked (``count_calls=True``): an increment on every uncontended
-    call is a measurable share of its cost (benchmarks: uncontended).
-    """
-
-    __slots__ = (
-        "cancelled",
-        "cancelled_running",
-        "counting",
-        "ended",
-        "failed",
-        "rejected",
-        "superseded",
-        "timed_out",
-    )
-
-    def __init__(self, counting: bool) -> None:
-        self.counting = counting
-        self.ended = self.failed = self.cancelled = self.cancelled_running = 0
-        self.timed_out = self.rejected = self.superseded = 0
-
-    def failure(self, exc: BaseException) -> None:
-        """Count a turn that ended by raising ``exc``."""
-        if isinstance(exc, asyncio.CancelledError):
-            self.cancelled += 1
-            self.cancelled_running += 1
-        else:
-            self.failed += 1
-
-    def end(self, exc: BaseException | None) -> None:
-        """Count a turn that ended, with ``exc`` if it raised."""
-        if self.counting:
-            self.ended += 1
-        if exc is not None:
-            self.failure(exc)
+from ._asyncio_internals import is_task
+from ._deadlock import waited_since
+from ._records import Counts, KeyState, MultiTurn
 
 
 @dataclass(frozen=True)

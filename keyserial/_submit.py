@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable
 from types import CoroutineType
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ._deadlock import check_later, check_no_cycle
 from ._errors import DeadlockError, awaitable_result, closed_error, key_error
 from ._records import GRANTED, NEW_TASK, KeyState, Wait, new_waiter
-from ._share import LoopShare
+
+if TYPE_CHECKING:
+    from ._share import LoopShare
 
 T = TypeVar("T")
 Task = asyncio.Task[Any]

@@ -15,7 +15,7 @@ from collections.abc import Hashable
 
 from opentelemetry import metrics
 
-from ._observer import Outcome, QueueObserver
+from ._observation import Outcome, QueueObserver
 
 __all__ = ["OpenTelemetryObserver"]
 

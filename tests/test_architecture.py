@@ -110,36 +110,50 @@ def test_no_import_cycle_inside_keyserial() -> None:
 
 def test_leaf_modules_import_nothing_of_keyserial() -> None:
     found = modules()
-    for leaf in ("_records", "_errors", "_protocols", "_observer", "_asyncio_internals", "_clock"):
+    for leaf in ("_records", "_errors", "_protocols", "_asyncio_internals", "_clock"):
         name = f"keyserial.{leaf}"
         assert imports_of(name, found[name], set(found)) == set(), name
-    # What keyserial reads of asyncio's private parts is read through one module.
-    awaits = "keyserial._awaits"
-    assert imports_of(awaits, found[awaits], set(found)) <= {"keyserial._asyncio_internals"}
 
 
-def test_the_deadlock_walk_imports_only_records_and_helpers() -> None:
+def test_the_deadlock_check_imports_only_leaves() -> None:
     found = modules()
     name = "keyserial._deadlock"
     assert imports_of(name, found[name], set(found)) <= {
         "keyserial._records",
-        "keyserial._awaits",
         "keyserial._asyncio_internals",
         "keyserial._errors",
-        "keyserial._reach",
-        "keyserial._waiting",
     }
-    reach = "keyserial._reach"
-    assert imports_of(reach, found[reach], set(found)) <= {
-        "keyserial._awaits",
-        "keyserial._asyncio_internals",
-    }
-    waiting = "keyserial._waiting"
-    assert imports_of(waiting, found[waiting], set(found)) <= {
-        "keyserial._awaits",
-        "keyserial._asyncio_internals",
-        "keyserial._records",
-    }
+
+
+#: The longest chain of imports allowed in the in-process core, counted in modules from the
+#: decorator (the entry of the core) down to a leaf.
+MAX_CORE_DEPTH = 6
+
+
+def longest_chain(graph: dict[str, set[str]], start: str, within: set[str]) -> list[str]:
+    """The longest import chain from ``start`` through modules of ``within`` (no cycles)."""
+    best = [start]
+    for target in sorted(graph[start] & within):
+        chain = [start, *longest_chain(graph, target, within)]
+        if len(chain) > len(best):
+            best = chain
+    return best
+
+
+def test_the_checker_measures_a_chain() -> None:
+    graph: dict[str, set[str]] = {"a": {"b", "c"}, "b": {"c"}, "c": set()}
+    assert longest_chain(graph, "a", {"a", "b", "c"}) == ["a", "b", "c"]
+    assert longest_chain(graph, "a", {"a", "c"}) == ["a", "c"]
+
+
+def test_the_in_process_core_is_at_most_six_modules_deep() -> None:
+    found = modules()
+    graph = {name: imports_of(name, path, set(found)) for name, path in found.items()}
+    core = {name for name in graph if name.startswith("keyserial._") and name.count(".") == 1}
+    chains = [longest_chain(graph, name, core) for name in sorted(core)]
+    deepest = max(chains, key=len)
+    assert len(deepest) <= MAX_CORE_DEPTH, " -> ".join(deepest)
+    assert deepest[0] == "keyserial._decorator"  # sanity: the entry of the core is deepest
 
 
 def _docstring_lines(tree: ast.AST) -> set[int]:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from keyserial import KeyedSerialQueue, default_queue, serialized
-from keyserial._awaits import has_asyncio_accessors
+from keyserial._asyncio_internals import has_asyncio_accessors
 
 from .scheduling import settle
 

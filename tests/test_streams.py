@@ -11,7 +11,7 @@ import pytest_asyncio
 import redis.asyncio as redis
 
 from keyserial import QueueObserver
-from keyserial._observer import Outcome
+from keyserial._observation import Outcome
 from keyserial.redis._transport import text
 from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage, acl_rules
 

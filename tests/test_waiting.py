@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from keyserial import KeyedSerialQueue
-from keyserial._waiting import turn_wait_of_task
+from keyserial._deadlock import turn_wait_of_task
 
 from .scheduling import settle
 

@@ -20,7 +20,7 @@ _blocks: ContextVar[tuple[tuple[FrameType, PgTurn], ...]] = ContextVar(
 )
 
 
-def register_turn_code(code: CodeType) -> None:
+def register_connection_code(code: CodeType) -> None:
     """Declare that a frame running ``code`` holds a turn in its local ``turn``."""
 
     def read(frame: Mapping[str, Any]) -> PgTurn | None:

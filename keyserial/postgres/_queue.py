@@ -10,12 +10,12 @@ from typing import Any, ParamSpec, TypeVar
 from psycopg_pool import AsyncConnectionPool
 
 from .._errors import awaitable_result, check_function, warn_deprecated_call
-from .._fence import register_turn_code
+from .._fence import register_fence_reader
 from .._options import MultiKeyWaitOptions
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
 from .._stats import QueueStats
-from ._connection import register_turn_code as register_connection_code
+from ._connection import register_connection_code
 from ._ids import lock_id
 from ._lock import PostgresLock
 from ._turn import PgTurn
@@ -316,5 +316,5 @@ def _turn_fence(frame: Mapping[str, Any]) -> int | None:
 
 
 _TURN_CODE = PostgresKeyedQueue._turn.__code__  # pyright: ignore[reportPrivateUsage]
-register_turn_code(_TURN_CODE, _turn_fence)
+register_fence_reader(_TURN_CODE, _turn_fence)
 register_connection_code(_TURN_CODE)

@@ -11,7 +11,7 @@ import redis.asyncio as redis_asyncio
 
 from .._cancels import cancel_count, withdraw_cancel
 from .._errors import LeaseLost, awaitable_result, check_function, warn_deprecated_call
-from .._fence import register_turn_code
+from .._fence import register_fence_reader
 from .._options import WaitOptions
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
@@ -275,4 +275,4 @@ def _redis_turn_fence(frame: Mapping[str, Any]) -> int | None:
     return turn.fence if isinstance(turn, Turn) else None
 
 
-register_turn_code(RedisKeyedQueue._turn.__code__, _redis_turn_fence)  # pyright: ignore[reportPrivateUsage]
+register_fence_reader(RedisKeyedQueue._turn.__code__, _redis_turn_fence)  # pyright: ignore[reportPrivateUsage]

@@ -17,7 +17,7 @@ import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
 from .._errors import LeaseLost
-from .._observer import QueueObserver
+from .._observation import QueueObserver
 from .._queue import KeyedSerialQueue
 from ._assignment import assigned
 from ._message import DeadLetter, StreamCounts, StreamMessage, StreamStats

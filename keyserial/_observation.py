@@ -1,30 +1,64 @@
-"""Watching a queue: observer hooks and slow-turn warnings.
+"""Watching a queue: the observer protocol, and the timing of each observed call.
 
-A queue made with an ``observer`` or a ``slow_turn`` threshold is an
-``ObservedQueue``: it wraps each call so that it is timed from registration
-to start to finish. A queue made without them never runs this code, so its
-uncontended path pays nothing for it.
+``QueueObserver`` is what a user subclasses. A queue made with an ``observer`` or a
+``slow_turn`` threshold is an ``ObservedQueue`` (in ``_queue``): it wraps each call in a
+``Watch`` here, timed from registration to start to finish. A queue made without them
+never runs this code, so its uncontended path pays nothing for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from ._errors import QueueClosed, QueueFull, Superseded
-from ._observer import Outcome, QueueObserver
 from ._protocols import KeyLock
-from ._queue import KeyedSerialQueue, register_observed_queue
-from ._stats import QueueStats
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
 logger = logging.getLogger("keyserial")
+
+
+Outcome = Literal["completed", "failed", "cancelled", "timed_out", "rejected", "superseded"]
+
+
+class QueueObserver:
+    """Hooks a queue calls as calls register, start and finish; subclass and override.
+
+    Every hook runs synchronously in the event loop, so keep it short. An
+    exception raised by a hook is logged through the ``keyserial`` logger and
+    otherwise ignored: a failing observer never breaks the queue.
+
+    ``function`` is the qualified name of the called function. ``outcome`` is
+    one of ``"completed"``, ``"failed"``, ``"cancelled"``, ``"timed_out"``,
+    ``"rejected"`` (``max_pending`` or a closed queue) or ``"superseded"``;
+    ``ran`` is ``None`` for a call that never started.
+
+    Example:
+        ```pycon
+        >>> from keyserial import KeyedSerialQueue, QueueObserver
+        >>> class PrintWaits(QueueObserver):
+        ...     def on_start(self, key, function, waited):
+        ...         print(f"{function} waited {waited:.0f} s for {key!r}")
+        >>> queue = KeyedSerialQueue(observer=PrintWaits())
+
+        ```
+    """
+
+    def on_register(self, key: Hashable, function: str) -> None:
+        """A call registered for ``key``."""
+
+    def on_start(self, key: Hashable, function: str, waited: float) -> None:
+        """A call started its turn after waiting ``waited`` seconds."""
+
+    def on_finish(
+        self, key: Hashable, function: str, waited: float, ran: float | None, outcome: Outcome
+    ) -> None:
+        """A call ended: it waited ``waited`` s, ran ``ran`` s (None if it never started)."""
 
 
 def _outcome_before_start(exc: BaseException) -> Outcome:
@@ -39,7 +73,7 @@ def _outcome_before_start(exc: BaseException) -> Outcome:
     return "failed"
 
 
-def _name(fn: Callable[..., Any]) -> str:
+def function_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
@@ -51,7 +85,7 @@ class Watching:
     def __init__(self, observer: QueueObserver | None, slow_turn: float | None) -> None:
         self.observer = observer
         self.slow_turn = slow_turn
-        self.running: set[_Watch] = set()
+        self.running: set[Watch] = set()
 
     def notify(self, hook: str, *args: Any) -> None:
         """Call the observer's ``hook``; a failing observer is logged, never raised."""
@@ -63,7 +97,7 @@ class Watching:
             logger.exception("keyserial: observer %r failed in %s", self.observer, hook)
 
 
-class _Watch:
+class Watch:
     """One call being watched, from registration to finish, on its loop's clock."""
 
     __slots__ = ("finished", "function", "key", "loop", "registered", "started", "timer", "to")
@@ -147,114 +181,7 @@ class _Watch:
         return result
 
 
-class ObservedQueue(KeyedSerialQueue):
-    """A keyed serial queue that reports each call to an observer and warns of slow turns.
-
-    Made by ``KeyedSerialQueue(observer=..., slow_turn=...)``; see there.
-    """
-
-    __slots__ = ("_watching",)
-
-    def __init__(
-        self,
-        max_pending: int | None = None,
-        *,
-        detect_deadlocks: bool = True,
-        count_calls: bool = False,
-        observer: QueueObserver | None = None,
-        slow_turn: float | None = None,
-    ) -> None:
-        super().__init__(max_pending, detect_deadlocks=detect_deadlocks, count_calls=count_calls)
-        if slow_turn is not None and not slow_turn > 0:
-            raise ValueError(f"slow_turn must be None or a number > 0, got {slow_turn!r}")
-        self._watching = Watching(observer, slow_turn)
-
-    async def run(
-        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
-    ) -> T:
-        watch = _Watch(self._watching, key, _name(fn))
-        turn = super().run(key, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
-        return await watch.watch(turn)
-
-    async def _call(
-        self,
-        key: Hashable,
-        fn: Callable[..., Awaitable[T]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        group: Hashable | None,
-    ) -> T:
-        watch = _Watch(self._watching, key, _name(fn))
-        call: Awaitable[T] = super()._call(  # pyright: ignore[reportAssignmentType]
-            key, watch.run, (fn, *args), kwargs, timeout, group
-        )
-        return await watch.watch(call)
-
-    def _submit(
-        self,
-        key: Hashable,
-        fn: Callable[..., Awaitable[T]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        group: Hashable | None,
-    ) -> asyncio.Task[T]:
-        watch = _Watch(self._watching, key, _name(fn))
-        try:
-            task: asyncio.Task[T] = super()._submit(  # pyright: ignore[reportAssignmentType]
-                key, watch.run_and_finish, (fn, *args), kwargs, timeout, group
-            )
-        except BaseException as exc:
-            watch.finish(exc)
-            raise
-        # A task that ends before its turn (cancelled while waiting) never runs
-        # run_and_finish's report: this callback reports it.
-        task.add_done_callback(
-            lambda done: watch.finish(
-                asyncio.CancelledError() if done.cancelled() else done.exception()
-            )
-        )
-        return task
-
-    async def run_all(
-        self,
-        keys: Iterable[Hashable],
-        fn: Callable[P, Awaitable[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> T:
-        keys = tuple(keys)
-        watch = _Watch(self._watching, keys, _name(fn))
-        turn = super().run_all(keys, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
-        return await watch.watch(turn)
-
-    def lock(
-        self, key: Hashable, timeout: float | None = None, group: Hashable | None = None
-    ) -> KeyLock:
-        return _ObservedLock(self._watching, key, super().lock(key, timeout, group))
-
-    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
-        keys = tuple(keys)
-        return _ObservedLock(self._watching, keys, super().lock_all(keys, timeout))
-
-    def stats(self) -> QueueStats:
-        """As [stats][keyserial.KeyedSerialQueue.stats], with every running turn timed exactly."""
-        base = super().stats()
-        share = self._shares.inspected()
-        watches = [
-            w for w in self._watching.running if w.started is not None and w.loop is share.loop
-        ]
-        if not watches:
-            return base
-        now = watches[0].loop.time()
-        longest = max(watches, key=lambda w: now - w.started)  # type: ignore[operator]
-        running = (longest.key, now - longest.started)  # type: ignore[operator]
-        return dataclasses.replace(base, longest_running=running)
-
-
-class _ObservedLock:
+class ObservedLock:
     """``lock()``/``lock_all()`` of an observed queue: the block is the watched call."""
 
     __slots__ = ("_inner", "_key", "_watch", "_watching")
@@ -263,10 +190,10 @@ class _ObservedLock:
         self._watching = watching
         self._key = key
         self._inner = inner
-        self._watch: _Watch | None = None
+        self._watch: Watch | None = None
 
     async def __aenter__(self) -> None:
-        self._watch = watch = _Watch(self._watching, self._key, "lock")  # registers now
+        self._watch = watch = Watch(self._watching, self._key, "lock")  # registers now
         try:
             await self._inner.__aenter__()
         except BaseException as exc:
@@ -285,6 +212,3 @@ class _ObservedLock:
         finally:
             if self._watch is not None:
                 self._watch.finish(exc)
-
-
-register_observed_queue(ObservedQueue)
