@@ -73,6 +73,11 @@ FIELDS: dict[str, tuple[str, ...]] = {
 if sys.version_info < (3, 12):
     FIELDS["asyncio.tasks"] = ("_current_tasks",)
 
+#: The fields the hot path (``_queue``, ``_share``) reads directly, by these names: an
+#: attribute read costs less than a call of a function here. Every other read of asyncio's
+#: private parts goes through the functions of this module (tests/test_architecture.py).
+HOT_PATH_FIELDS = frozenset({"_fut_waiter", "_thread_id", "_task_factory", "_closed"})
+
 
 def fut_waiter(task: object) -> Any:
     """The future ``task`` is blocked on, or None (running, done, or not an asyncio task)."""

@@ -260,3 +260,55 @@ def test_no_measurement_figures_in_comments_or_docstrings() -> None:
         if match is not None
     ]
     assert stale == [], stale
+
+
+def _asyncio_private_names() -> set[str]:
+    import asyncio
+
+    owners: list[object] = [asyncio.Task, asyncio.Future, asyncio.BaseEventLoop, asyncio.tasks]
+    owners += [getattr(asyncio, "TaskGroup")] if hasattr(asyncio, "TaskGroup") else []
+    loop = asyncio.new_event_loop()  # instance fields too: _thread_id, _ready, _closed, ...
+    try:
+        owners.append(loop)
+        names = {name for owner in owners for name in dir(owner) if name.startswith("_")}
+    finally:
+        loop.close()
+    return {name for name in names if not name.startswith("__")}
+
+
+def private_asyncio_reads(source: str, private: set[str]) -> set[str]:
+    """asyncio's private names that ``source`` reads off objects other than ``self``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.add(node.attr)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in private
+        ):
+            found.add(str(node.args[1].value))
+    return found
+
+
+def test_the_checker_finds_private_asyncio_reads() -> None:
+    source = "x = loop._ready\ny = getattr(task, '_coro', None)\nz = self._ready\n"
+    assert private_asyncio_reads(source, {"_ready", "_coro"}) == {"_ready", "_coro"}
+
+
+def test_asyncio_internals_are_read_only_by_the_names_its_module_exports() -> None:
+    from keyserial._asyncio_internals import HOT_PATH_FIELDS
+
+    private = _asyncio_private_names()
+    assert {"_fut_waiter", "_thread_id", "_ready"} <= private  # sanity: instance fields too
+    outside = {
+        f"{name}: {field}"
+        for name, path in modules().items()
+        if name != "keyserial._asyncio_internals"
+        for field in private_asyncio_reads(path.read_text(), private) - HOT_PATH_FIELDS
+    }
+    assert outside == set(), "read these through keyserial/_asyncio_internals.py"

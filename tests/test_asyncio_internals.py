@@ -65,3 +65,8 @@ def test_the_wait_helpers_frames_still_hold_what_is_read() -> None:
     assert {"fs", "return_when"} <= set(code.co_varnames), (
         f"asyncio.tasks._wait no longer has the locals fs and return_when: {code.co_varnames}"
     )
+
+
+def test_the_fields_read_directly_are_catalogued() -> None:
+    catalogued = {field for fields in internals.FIELDS.values() for field in fields}
+    assert internals.HOT_PATH_FIELDS <= catalogued
