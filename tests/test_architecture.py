@@ -266,7 +266,7 @@ def _asyncio_private_names() -> set[str]:
     import asyncio
 
     owners: list[object] = [asyncio.Task, asyncio.Future, asyncio.BaseEventLoop, asyncio.tasks]
-    owners += [getattr(asyncio, "TaskGroup")] if hasattr(asyncio, "TaskGroup") else []
+    owners += [asyncio.TaskGroup] if hasattr(asyncio, "TaskGroup") else []
     loop = asyncio.new_event_loop()  # instance fields too: _thread_id, _ready, _closed, ...
     try:
         owners.append(loop)
@@ -280,9 +280,11 @@ def private_asyncio_reads(source: str, private: set[str]) -> set[str]:
     """asyncio's private names that ``source`` reads off objects other than ``self``."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and node.attr in private:
-            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-                found.add(node.attr)
+        own = isinstance(node, ast.Attribute) and (
+            isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+        )
+        if isinstance(node, ast.Attribute) and node.attr in private and not own:
+            found.add(node.attr)
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
