@@ -266,7 +266,7 @@ def _asyncio_private_names() -> set[str]:
     import asyncio
 
     owners: list[object] = [asyncio.Task, asyncio.Future, asyncio.BaseEventLoop, asyncio.tasks]
-    task_group: object = getattr(asyncio, "TaskGroup", None)  # noqa: B009  # 3.11 and later
+    task_group: object = getattr(asyncio, "TaskGroup", None)  # 3.11 and later
     owners += [task_group] if task_group is not None else []
     loop = asyncio.new_event_loop()  # instance fields too: _thread_id, _ready, _closed, ...
     try:
