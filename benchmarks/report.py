@@ -99,7 +99,11 @@ def _ratio(claim: str, measured: float, limit: float) -> Target:
 
 
 def targets(tables: Sequence[Table], waiter_sizes: Sequence[int]) -> list[Target]:
-    """The performance targets, each checked against this run's tables."""
+    """The performance targets, each checked against this run's tables.
+
+    The first rows are a guard for the readable core (docs/performance.md gives the figures
+    they were set from): a change may cost a little, not much.
+    """
     by_id = {table.id: table.values for table in tables}
     growth = {table.id: table.growth for table in tables}
     results: list[Target] = []
@@ -109,7 +113,7 @@ def targets(tables: Sequence[Table], waiter_sizes: Sequence[int]) -> list[Target
             _ratio(
                 "uncontended run ÷ one asyncio.Lock",
                 v["keyserial"] / v["one asyncio.Lock"],
-                1.0 if _OLD_PYTHON else 0.8,
+                1.0 if _OLD_PYTHON else 0.92,
             ),
             _ratio(
                 "uncontended run ÷ defaultdict(Lock)", v["keyserial"] / v["defaultdict(Lock)"], 0.6
@@ -122,13 +126,13 @@ def targets(tables: Sequence[Table], waiter_sizes: Sequence[int]) -> list[Target
         v = by_id["decorated"]
         run = v["queue.run(key, fn, key)"]
         results.append(
-            _ratio("@serialized function ÷ queue.run", v["@serialized function"] / run, 1.5)
+            _ratio("@serialized function ÷ queue.run", v["@serialized function"] / run, 1.75)
         )
         results.append(
             _ratio(
                 "@serialized method ÷ queue.run",
                 v["@serialized method"] / run,
-                2.2 if _OLD_PYTHON else 2.0,
+                2.25,
             )
         )
     if "contended-100" in by_id:
@@ -137,7 +141,7 @@ def targets(tables: Sequence[Table], waiter_sizes: Sequence[int]) -> list[Target
             _ratio(
                 "gather over 100 keys ÷ bare gather, fn yields once",
                 v["keyserial"] / v["bare await"],
-                1.5,
+                1.55,
             )
         )
     if "contended-100-noop" in by_id:
