@@ -82,17 +82,25 @@ def _repeats_said(repeats: int, headline: bool) -> str:
     return said
 
 
-def _runs_in_processes(runs: int, arguments: list[str]) -> list[list[report.Target]]:
-    """Run the benchmark ``runs`` times, each in a process of its own; their targets."""
+def _runs_in_processes(
+    runs: int, arguments: list[str], plot: Path | None
+) -> tuple[list[list[report.Target]], str]:
+    """Run the benchmark ``runs`` times, each in a process of its own: their targets, and
+    the first run's report (its tables; with ``plot``, it draws the waiters plot too)."""
     results: list[list[report.Target]] = []
+    first = ""
     with tempfile.TemporaryDirectory() as directory:
         for number in range(runs):
             path = Path(directory) / f"run-{number}.json"
             command = [sys.executable, "-m", "benchmarks", *arguments, "--json", str(path)]
+            if number == 0 and plot is not None:
+                command += ["--plot", str(plot)]
             print(f"run {number + 1} of {runs}: {' '.join(command[1:])}", flush=True)
-            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
+            if number == 0:
+                first = done.stdout
             results.append(report.load_targets(path))
-    return results
+    return results, first
 
 
 def main() -> int:
@@ -129,7 +137,7 @@ def main() -> int:
         arguments = ["--repeats", str(repeats)]
         arguments += ["--quick"] if options.quick else []
         arguments += ["--headline"] if options.headline else []
-        results = _runs_in_processes(options.runs, arguments)
+        results, first = _runs_in_processes(options.runs, arguments, options.plot)
         text = "\n\n".join(
             [
                 f"Environment: {report.environment()}",
@@ -137,6 +145,8 @@ def main() -> int:
                 f"with {_repeats_said(repeats, options.headline)}; median and range over "
                 "the processes.",
                 report.render_runs(results),
+                "## The first of those runs, in full",
+                first.strip(),
             ]
         )
         targets = report.median_targets(results)
