@@ -94,6 +94,20 @@ def _named_after(method: Any, qualname: str) -> Any:
     return types.MethodType(renamed, owner)
 
 
+def _naming(
+    run: Callable[..., Coroutine[Any, Any, Any]], qualname: str
+) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """``run``, whose coroutines are renamed ``qualname``: the ``run`` of a view with options
+    makes its coroutine in another method, so ``_named_after`` cannot name it for free."""
+
+    def named(key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        coroutine = run(key, fn, *args, **kwargs)
+        coroutine.__qualname__ = qualname  # type: ignore[attr-defined]
+        return coroutine
+
+    return named
+
+
 def _bind_plain_method(self: Any, instance: Any, owner: type | None = None) -> Any:
     """Bind a serialized plain function to ``instance`` as Python binds any function.
 
@@ -167,9 +181,11 @@ def _serialize(
                 f"KeyedSerialQueue; {type(target).__name__} does not coalesce"
             )
         # Calls of this function supersede each other's waiting calls, and no one else's.
-        run = target.with_options(timeout=timeout, group=FunctionKey(qualname)).run
+        run = _naming(
+            target.with_options(timeout=timeout, group=FunctionKey(qualname)).run, qualname
+        )
     elif timeout is not None:
-        run = target.with_options(timeout=timeout).run
+        run = _naming(target.with_options(timeout=timeout).run, qualname)
     else:
         run = _named_after(target.run, qualname)
 

@@ -309,10 +309,20 @@ async def test_coroutines_and_tasks_carry_the_users_function_name() -> None:
     async def save_partial(seg_id: str) -> None:
         return None
 
-    pending = save_partial("a")
-    assert "save_partial" in repr(pending)
-    assert getattr(pending, "__qualname__").endswith("save_partial")  # noqa: B009
-    pending.close()
+    @serialized(key="seg_id", queue=queue, timeout=5)
+    async def save_timed(seg_id: str) -> None:
+        return None
+
+    @serialized(key="seg_id", queue=queue, coalesce=True)
+    async def save_latest(seg_id: str) -> None:
+        return None
+
+    named = [(save_partial, "save_partial"), (save_timed, "save_timed")]
+    for function, name in [*named, (save_latest, "save_latest")]:
+        pending = function("a")
+        assert name in repr(pending)
+        assert getattr(pending, "__qualname__").endswith(name)  # noqa: B009
+        pending.close()
     gate = asyncio.Event()
 
     async def finalize_later(seg_id: str) -> None:
