@@ -507,6 +507,10 @@ class KeyedSerialQueue:
 
             ```
         """
+        # A contract with code that reads this frame (registered at the end of this module):
+        # the locals ``share``, ``key``, ``fn``, ``waiter`` and ``since`` are read by name by
+        # current_fence(), the deadlock check and stats(). Renaming one breaks them; the
+        # fence, deadlock and stats tests say so.
         if not callable(fn):
             check_function(fn, "run")
         share = self._shares.cached
