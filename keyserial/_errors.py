@@ -81,7 +81,7 @@ class Superseded(Exception):
 
     The superseded call never started. ``key`` names the key it waited for.
     See ``@serialized(coalesce=True)`` and the ``group`` argument of
-    [KeyedSerialQueue.call][keyserial.KeyedSerialQueue.call].
+    [KeyedSerialQueue.with_options][keyserial.KeyedSerialQueue.with_options].
 
     Example:
         ```pycon
