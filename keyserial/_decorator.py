@@ -94,18 +94,21 @@ def _named_after(method: Any, qualname: str) -> Any:
     return types.MethodType(renamed, owner)
 
 
-def _naming(
+def _packing(
     run: Callable[..., Coroutine[Any, Any, Any]], qualname: str
 ) -> Callable[..., Coroutine[Any, Any, Any]]:
-    """``run``, whose coroutines are renamed ``qualname``: the ``run`` of a view with options
-    makes its coroutine in another method, so ``_named_after`` cannot name it for free."""
+    """``run(key, fn, *args, **kwargs)`` called as ``(key, fn, args, kwargs)``, its coroutines
+    renamed ``qualname`` (``_named_after`` cannot: such a ``run`` makes its coroutine in
+    another method)."""
 
-    def named(key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    def packed(
+        key: Hashable, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         coroutine = run(key, fn, *args, **kwargs)
         coroutine.__qualname__ = qualname  # type: ignore[attr-defined]
         return coroutine
 
-    return named
+    return packed
 
 
 def _bind_plain_method(self: Any, instance: Any, owner: type | None = None) -> Any:
@@ -171,8 +174,9 @@ def _serialize(
         return _serialize_multi(fn, keys, target, timeout, qualname)
     extract = _make_extractor(key, fn, qualname)
 
-    # Every call takes its turn through the queue's own run(): the plain one, or the one of
-    # a view with the decorator's options.
+    # Every call takes its turn through the queue's own run(), or the run() of a view with
+    # the decorator's options, given the arguments as the decorator holds them (a tuple and a
+    # dict): the in-process queue's copy of run() takes them so, without unpacking them.
     run: Callable[..., Coroutine[Any, Any, Any]]
     if coalesce:
         if not isinstance(target, KeyedSerialQueue):
@@ -181,13 +185,14 @@ def _serialize(
                 f"KeyedSerialQueue; {type(target).__name__} does not coalesce"
             )
         # Calls of this function supersede each other's waiting calls, and no one else's.
-        run = _naming(
-            target.with_options(timeout=timeout, group=FunctionKey(qualname)).run, qualname
-        )
+        options = target.with_options(timeout=timeout, group=FunctionKey(qualname))
+        run = _packing(options.run, qualname)
     elif timeout is not None:
-        run = _naming(target.with_options(timeout=timeout).run, qualname)
+        run = _packing(target.with_options(timeout=timeout).run, qualname)
+    elif isinstance(target, KeyedSerialQueue):
+        run = _named_after(target._run_packed, qualname)  # pyright: ignore[reportPrivateUsage]
     else:
-        run = _named_after(target.run, qualname)
+        run = _packing(target.run, qualname)
 
     def route(
         wrapped: Callable[..., Coroutine[Any, Any, Any]],
@@ -195,7 +200,7 @@ def _serialize(
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Coroutine[Any, Any, Any]:
-        return run(extract(instance, args, kwargs), wrapped, *args, **kwargs)
+        return run(extract(instance, args, kwargs), wrapped, args, kwargs)
 
     # Where the key sits among a call's positional arguments, when it can be passed so.
     position = (
@@ -218,12 +223,12 @@ def _serialize(
                         raise unhashable_key(qualname, call_key, exc) from exc
                 else:
                     call_key = extract(None, args, kwargs)
-                return run(call_key, fn, *args, **kwargs)
+                return run(call_key, fn, args, kwargs)
 
         else:
 
             def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-                return run(extract(None, args, kwargs), fn, *args, **kwargs)
+                return run(extract(None, args, kwargs), fn, args, kwargs)
 
         if isinstance(fn, types.FunctionType):
             __get__ = _bind_plain_method

@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ._deadlock import block_entered, block_left, register_holding_code
-from ._errors import closed_error, key_error
+from ._errors import check_timeout, closed_error, key_error
 from ._fence import enter_lock_block, exit_lock_block
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ class SingleKeyLock:
         group: Hashable | None,
         max_pending: int | None,
     ) -> None:
+        check_timeout(timeout)  # refused when the block is made, before anything registers
         self._shares = shares
         self._key = key
         self._timeout = timeout

@@ -20,6 +20,7 @@ from ._deadlock import block_entered, block_left, check_later, check_no_cycle, r
 from ._errors import (
     QueueClosed,
     QueueFull,
+    check_timeout,
     key_error,
     safe_repr,
 )
@@ -186,6 +187,7 @@ class MultiKeyLock:
         timeout: float | None,
         max_pending: int | None,
     ) -> None:
+        check_timeout(timeout)  # refused when the block is made, before anything registers
         self._shares = shares
         self._keys = keys
         self._timeout = timeout

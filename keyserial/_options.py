@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
-from ._errors import awaitable_result, check_function, check_timeout
+from ._errors import awaitable_result, check_function, check_timeout, warn_deprecated_call
 from ._protocols import KeyLock
 
 T = TypeVar("T")
@@ -91,6 +91,11 @@ class WaitOptions:
         group: Hashable | None = None,
     ) -> None:
         check_timeout(timeout)
+        if group is not None:
+            try:
+                hash(group)
+            except TypeError as exc:
+                raise TypeError(f"group must be hashable, got {group!r}") from exc
         self._owner = owner
         self._call = call
         self._submit = submit
@@ -193,3 +198,36 @@ async def _run_holding(
 ) -> T:
     async with lock:
         return await awaitable_result(fn, fn(*args, **kwargs))
+
+
+class _TakesOptions(Protocol):
+    def _call(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        group: Hashable | None,
+    ) -> Coroutine[Any, Any, Any]: ...
+
+
+def deprecated_call(
+    self: _TakesOptions,
+    key: Hashable,
+    fn: Callable[..., Awaitable[T]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float | None = None,
+    group: Hashable | None = None,
+) -> Coroutine[Any, Any, T]:
+    """Deprecated: ``queue.with_options(timeout=..., group=...).run(key, fn, *args, **kwargs)``.
+
+    Every queue's ``call`` is this function.
+
+    Warns:
+        DeprecationWarning: always; the call then runs as ``with_options(...).run``.
+    """
+    warn_deprecated_call(type(self).__name__)
+    check_function(fn, "call")
+    return self._call(key, fn, args, kwargs, timeout, group)  # pyright: ignore[reportPrivateUsage]

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 from _thread import get_ident
 from asyncio import Future
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
 from inspect import isawaitable
 from typing import Any, ParamSpec, TypeVar
 
@@ -18,10 +18,8 @@ from ._deadlock import register_entry_code, register_waiting_code
 from ._errors import (
     awaitable_result,
     check_function,
-    check_timeout,
     key_error,
     not_awaitable,
-    warn_deprecated_call,
 )
 from ._fence import register_fence_reader
 from ._locks import SingleKeyLock
@@ -36,7 +34,7 @@ from ._loops import (
 )
 from ._multikey import MultiKeyLock, acquire_all, leave_all
 from ._observation import ObservedLock, QueueObserver, Watch, Watching, function_name
-from ._options import MultiKeyWaitOptions
+from ._options import MultiKeyWaitOptions, deprecated_call
 from ._protocols import KeyLock
 from ._records import KeyState
 from ._stats import QueueStats, snapshot
@@ -171,11 +169,6 @@ class KeyedSerialQueue:
 
             ```
         """
-        if group is not None:
-            try:
-                hash(group)
-            except TypeError as exc:
-                raise TypeError(f"group must be hashable, got {group!r}") from exc
         return MultiKeyWaitOptions(
             self,
             call=self._call,
@@ -398,7 +391,6 @@ class KeyedSerialQueue:
 
             ```
         """
-        check_timeout(timeout)
         return MultiKeyLock(self._shares, keys, timeout, self._max_pending)
 
     def submit(
@@ -478,7 +470,6 @@ class KeyedSerialQueue:
 
             ```
         """
-        check_timeout(timeout)
         return SingleKeyLock(self._shares, key, timeout, group, self._max_pending)
 
     async def run(
@@ -588,6 +579,101 @@ class KeyedSerialQueue:
             elif held is not task:  # a contended turn: hand it on
                 share.release(key, held)  # type: ignore[arg-type]
 
+    async def _run_packed(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> T:
+        """``run(key, fn, *args, **kwargs)`` with the arguments as the decorator holds them.
+
+        A deliberate copy of ``run``'s body (benchmarks: the decorated rows): unpacking the
+        decorator's arguments into ``run`` and packing them again costs every decorated call
+        more than the copy costs a reader. tests/test_twins.py keeps the two bodies identical,
+        and the behaviour suites run over both (tests/conftest.py).
+        """
+        # A contract with code that reads this frame (registered at the end of this module):
+        # the locals ``share``, ``key``, ``fn``, ``waiter`` and ``since`` are read by name by
+        # current_fence(), the deadlock check and stats(). Renaming one breaks them; the
+        # fence, deadlock and stats tests say so.
+        if not callable(fn):
+            check_function(fn, "run")
+        share = self._shares.cached
+        loop = share.thread_loop  # None but where the thread tells the loop (see LoopShares.of)
+        if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
+            try:
+                loop = get_running_loop()
+            except RuntimeError:
+                raise no_event_loop() from None
+            if share.open_loop is not loop:  # another loop's share, or a closed one
+                share = self._shares.of(loop)
+                if share.closed:
+                    return await on_closed_share(share, key, fn, args, kwargs)
+        task = task_of(loop)
+        if task is None:
+            raise outside_task()
+        holders = share.holders
+        try:
+            # A membership test is cheaper than a get() call when the key is free (the usual case).
+            holder = holders[key] if key in holders else None  # noqa: SIM401
+        except Exception as exc:
+            raise key_error(key, exc) from exc
+        if holder is None:
+            holders[key] = task  # the uncontended path: one dict entry, nothing else
+        else:
+            if (  # anything but the commonest case goes to register(): see quick_waits
+                type(holder) is not KeyState
+                or not share.quick_waits
+                or holder.holder is task
+                or getattr(holder.holder, "_fut_waiter", True) is not None  # not running
+                or loop._task_factory is not None  # type: ignore[attr-defined]
+                or self._max_pending is not None
+            ):
+                waiter = share.register(key, holder, task, None, self._max_pending)
+                if waiter is None:  # re-entry: run inside the turn this task holds
+                    return await awaitable_result(fn, fn(*args, **kwargs))
+            else:  # queued as register() would, a frame fewer (no new local)
+                waiter = share.new_future()
+                holder.pending += 1
+                holder.waiters.append(waiter)
+            since = share.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
+            try:
+                granted = await waiter
+            except BaseException:
+                share.give_up(key, waiter)
+                raise
+            if granted is True and type(waiter) is Future:  # take_turn, without its frame
+                state: KeyState = holders[key]  # type: ignore[assignment]
+                state.holder, state.since = task, share.clock()
+            else:
+                share.take_turn(key, waiter, task)
+        result: Any = UNCALLED  # what fn returned, for the error if it cannot be awaited
+        try:
+            if kwargs:
+                result = fn(*args, **kwargs)
+            elif args:
+                result = fn(*args)  # kwargs is empty; unpacking it costs
+            else:
+                # A plain call makes fn's coroutine in this interpreter loop; an unpacking
+                # one goes through the C call protocol.
+                result = fn()  # args and kwargs are empty
+            return await result  # type: ignore[no-any-return]
+        except BaseException as exc:
+            share.counts.failure(exc)
+            if type(exc) is TypeError and result is not UNCALLED and not isawaitable(result):
+                raise not_awaitable(fn, result) from None
+            raise
+        finally:
+            try:
+                held = holders.pop(key)
+            except Exception as exc:  # the key broke during the turn: never leave it stuck
+                raise share.remove_broken(key, exc) from exc
+            if share.attention:
+                share.end_turn(key, held, task)
+            elif held is not task:  # a contended turn: hand it on
+                share.release(key, held)  # type: ignore[arg-type]
+
     async def _call(
         self,
         key: Hashable,
@@ -598,27 +684,10 @@ class KeyedSerialQueue:
         group: Hashable | None,
     ) -> T:
         """``run`` with options (``with_options``): the turn of a ``lock()`` block."""
-        check_timeout(timeout)
         async with SingleKeyLock(self._shares, key, timeout, group, self._max_pending):
             return await awaitable_result(fn, fn(*args, **kwargs))
 
-    def call(
-        self,
-        key: Hashable,
-        fn: Callable[..., Awaitable[T]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None = None,
-        group: Hashable | None = None,
-    ) -> Coroutine[Any, Any, T]:
-        """Deprecated: ``queue.with_options(timeout=..., group=...).run(key, fn, *args, **kwargs)``.
-
-        Warns:
-            DeprecationWarning: always; the call then runs as ``with_options(...).run``.
-        """
-        warn_deprecated_call(type(self).__name__)
-        check_function(fn, "call")
-        return self._call(key, fn, args, kwargs, timeout, group)
+    call = deprecated_call
 
 
 class ObservedQueue(KeyedSerialQueue):
@@ -648,6 +717,19 @@ class ObservedQueue(KeyedSerialQueue):
     ) -> T:
         watch = Watch(self._watching, key, function_name(fn))
         turn = super().run(key, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
+        return await watch.watch(turn)
+
+    async def _run_packed(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> T:
+        watch = Watch(self._watching, key, function_name(fn))
+        turn: Awaitable[T] = super()._run_packed(  # pyright: ignore[reportAssignmentType]
+            key, watch.run, (fn, *args), kwargs
+        )
         return await watch.watch(turn)
 
     async def _call(
@@ -742,6 +824,9 @@ def _single_key_fence(frame: Mapping[str, Any]) -> int | None:
 register_fence_reader(KeyedSerialQueue.run.__code__, _single_key_fence)
 register_entry_code(KeyedSerialQueue.run.__code__)
 register_waiting_code(KeyedSerialQueue.run.__code__, share_local="share")
+register_fence_reader(KeyedSerialQueue._run_packed.__code__, _single_key_fence)  # pyright: ignore[reportPrivateUsage]
+register_entry_code(KeyedSerialQueue._run_packed.__code__)  # pyright: ignore[reportPrivateUsage]
+register_waiting_code(KeyedSerialQueue._run_packed.__code__, share_local="share")  # pyright: ignore[reportPrivateUsage]
 register_entry_code(KeyedSerialQueue._call.__code__)  # pyright: ignore[reportPrivateUsage]
 register_fence_reader(KeyedSerialQueue.run_all.__code__, _multi_key_fence)
 register_entry_code(KeyedSerialQueue.run_all.__code__)

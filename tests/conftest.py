@@ -83,6 +83,16 @@ def _through_run(
     return queue.run(key, fn, *args, **kwargs)
 
 
+def _through_packed(
+    queue: KeyedSerialQueue,
+    key: Hashable,
+    fn: Callable[..., Awaitable[Any]],
+    *args: Any,
+    **kwargs: Any,
+) -> Coroutine[Any, Any, Any]:
+    return queue._run_packed(key, fn, args, kwargs)  # pyright: ignore[reportPrivateUsage]
+
+
 def _through_options(
     queue: KeyedSerialQueue,
     key: Hashable,
@@ -115,14 +125,15 @@ def _through_run_without_quick_waits(
     return queue.run(key, fn, *args, **kwargs)
 
 
-@pytest.fixture(params=["run", "with_options", "run without quick waits"])
+@pytest.fixture(params=["run", "decorator's copy", "with_options", "run without quick waits"])
 def run_in_turn(request: pytest.FixtureRequest) -> RunInTurn:
-    """``queue.run`` (the hot path) and ``queue.with_options().run`` (the path of every call
-    with options) in turn; and ``run`` with its written-out registration switched off, so
-    that the same suites also cover ``LoopShare.register``, the code ``run`` repeats for the
-    commonest case."""
+    """``queue.run`` (the hot path), its copy that the decorator calls, and
+    ``queue.with_options().run`` (the path of every call with options) in turn; and ``run``
+    with its written-out registration switched off, so that the same suites also cover
+    ``LoopShare.register``, the code ``run`` repeats for the commonest case."""
     return {
         "run": _through_run,
+        "decorator's copy": _through_packed,
         "with_options": _through_options,
         "run without quick waits": _through_run_without_quick_waits,
     }[request.param]

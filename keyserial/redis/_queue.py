@@ -10,9 +10,9 @@ from typing import Any, ParamSpec, TypeVar
 import redis.asyncio as redis_asyncio
 
 from .._cancels import cancel_count, withdraw_cancel
-from .._errors import LeaseLost, awaitable_result, check_function, warn_deprecated_call
+from .._errors import LeaseLost, awaitable_result, check_function
 from .._fence import register_fence_reader
-from .._options import WaitOptions
+from .._options import WaitOptions, deprecated_call
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
 from ._lease import Turn
@@ -189,23 +189,7 @@ class RedisKeyedQueue:
         local = self._local if timeout is None else self._local.with_options(timeout=timeout)
         return await local.run(encoded, self._turn, encoded, fn, args, kwargs, deadline)
 
-    def call(
-        self,
-        key: Hashable,
-        fn: Callable[..., Awaitable[T]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None = None,
-        group: Hashable | None = None,
-    ) -> Coroutine[Any, Any, T]:
-        """Deprecated: ``queue.with_options(timeout=...).run(key, fn, *args, **kwargs)``.
-
-        Warns:
-            DeprecationWarning: always; the call then runs as ``with_options(...).run``.
-        """
-        warn_deprecated_call(type(self).__name__)
-        check_function(fn, "call")
-        return self._call(key, fn, args, kwargs, timeout, group)
+    call = deprecated_call
 
     def submit(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
