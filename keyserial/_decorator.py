@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -105,7 +106,9 @@ def _packing(
         key: Hashable, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         coroutine = run(key, fn, *args, **kwargs)
-        coroutine.__qualname__ = qualname  # type: ignore[attr-defined]
+        # Another queue's run may return an awaitable that is not a coroutine: keep its name.
+        with contextlib.suppress(AttributeError, TypeError):
+            coroutine.__qualname__ = qualname  # type: ignore[attr-defined]
         return coroutine
 
     return packed

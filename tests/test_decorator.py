@@ -412,3 +412,32 @@ async def test_bound_methods_are_keyed_and_ordered_like_functions() -> None:
     gate.set()
     await asyncio.gather(first, second, other)
     assert log[3:] == ["end a partial", "start a final", "end a final"]
+
+
+class _SlottedAwaitable:
+    """An awaitable that is not a coroutine and takes no new attributes."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: Awaitable[Any]) -> None:
+        self._inner = inner
+
+    def __await__(self) -> Any:
+        return self._inner.__await__()
+
+
+async def test_a_queue_whose_run_returns_another_awaitable_still_runs_the_call() -> None:
+    inner = KeyedSerialQueue()
+
+    class TaskQueue:
+        def run(self, key: object, fn: Callable[..., Awaitable[Any]], /, *a: Any, **k: Any) -> Any:
+            return _SlottedAwaitable(inner.run(key, fn, *a, **k))  # not a coroutine
+
+        def with_options(self, *, timeout: float | None = None) -> WaitOptions:
+            return inner.with_options(timeout=timeout)
+
+    @serialized(key="seg", queue=TaskQueue())
+    async def handler(seg: str) -> str:
+        return seg
+
+    assert await handler("a") == "a"
