@@ -715,9 +715,8 @@ class ObservedQueue(KeyedSerialQueue):
     async def run(
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> T:
-        watch = Watch(self._watching, key, function_name(fn))
-        turn = super().run(key, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
-        return await watch.watch(turn)
+        # One watched path for both ways in: run's copy takes the arguments as they are here.
+        return await self._run_packed(key, fn, args, kwargs)
 
     async def _run_packed(
         self,
