@@ -54,6 +54,20 @@ def redis_server() -> Iterator[RedisServer]:
         server.close()
 
 
+@pytest.fixture(params=["default", "fair"])
+def redis_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a Redis test twice: with the default mode, and with every ``RedisKeyedQueue`` it
+    makes (in the test, and in the worker processes it starts) in fair mode."""
+    if request.param == "fair":
+        from keyserial.redis import RedisKeyedQueue
+
+        defaults = RedisKeyedQueue.__init__.__kwdefaults__
+        assert defaults is not None and "fair" in defaults, "RedisKeyedQueue lost fair="
+        monkeypatch.setitem(defaults, "fair", True)
+        monkeypatch.setenv("KEYSERIAL_TEST_REDIS_FAIR", "1")
+    return str(request.param)
+
+
 @pytest_asyncio.fixture
 async def clients(redis_server: RedisServer) -> AsyncIterator[Clients]:
     """Makes Redis clients for the test's server (one per simulated process), closed after."""

@@ -9,6 +9,8 @@ python -m tests.redis_worker URL hold KEY LEASE
     or "refused"; print "lease lost" if the turn's lease was lost, else "finished"
 python -m tests.redis_worker URL wait KEY LEASE
     print "waiting", then wait for KEY's turn and print "got <fence>"
+python -m tests.redis_worker URL order MODE LOG OWNERS INDEX START SPACING TURN
+    the cross-process order test's worker (see tests/fair_order.py), MODE fair or default
 """
 
 from __future__ import annotations
@@ -36,13 +38,17 @@ return 0
 """
 
 
+#: Set by the tests' redis_mode fixture: the queues of the fault modes run in fair mode.
+FAIR = os.environ.get("KEYSERIAL_TEST_REDIS_FAIR") == "1"
+
+
 def say(line: str) -> None:
     print(line, flush=True)
 
 
 async def log_calls(url: str, log_path: str, seed: int, calls: int, keys: int) -> None:
     client = redis.asyncio.Redis.from_url(url)
-    queue = RedisKeyedQueue(client, namespace="multi", lease=5.0)
+    queue = RedisKeyedQueue(client, namespace="multi", lease=5.0, fair=FAIR)
     rng = random.Random(seed)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
@@ -63,9 +69,46 @@ async def log_calls(url: str, log_path: str, seed: int, calls: int, keys: int) -
     say("done")
 
 
+async def order(
+    url: str,
+    fair: bool,
+    log_path: str,
+    owners: str,
+    index: int,
+    start: int,
+    spacing: float,
+    turn: float,
+) -> None:
+    client = redis.asyncio.Redis.from_url(url)
+    queue = RedisKeyedQueue(client, namespace="order", lease=5.0, fair=fair)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    async def work(call: int, made: int) -> None:
+        started = time.monotonic_ns()
+        await asyncio.sleep(turn)
+        os.write(log, f"{call} {made} {started} {time.monotonic_ns()}\n".encode())
+
+    async def warm_up() -> None:
+        pass
+
+    # As a long-running service would be: connected, subscribed, its scripts loaded.
+    await queue.run("warm-up", warm_up)
+    calls: list[asyncio.Task[None]] = []
+    for call, owner in enumerate(owners.split(",")):
+        if int(owner) != index:
+            continue
+        await asyncio.sleep(max(0.0, (start + call * spacing * 1e9 - time.monotonic_ns()) / 1e9))
+        calls.append(asyncio.create_task(queue.run("key", work, call, time.monotonic_ns())))
+    await asyncio.gather(*calls)
+    await queue.aclose()
+    await client.aclose()
+    os.close(log)
+    say("done")
+
+
 async def hold(url: str, key: str, lease: float) -> None:
     client = redis.asyncio.Redis.from_url(url)
-    queue = RedisKeyedQueue(client, namespace="faults", lease=lease)
+    queue = RedisKeyedQueue(client, namespace="faults", lease=lease, fair=FAIR)
     # The late write is sent at once on resuming, before the event loop runs again: a stale
     # holder whose own process has not yet noticed the loss, which only the fence can stop.
     writer = redis.Redis.from_url(url)
@@ -93,7 +136,7 @@ async def hold(url: str, key: str, lease: float) -> None:
 
 async def wait(url: str, key: str, lease: float) -> None:
     client = redis.asyncio.Redis.from_url(url)
-    queue = RedisKeyedQueue(client, namespace="faults", lease=lease)
+    queue = RedisKeyedQueue(client, namespace="faults", lease=lease, fair=FAIR)
 
     async def got() -> None:
         say(f"got {current_fence()}")
@@ -109,6 +152,20 @@ if __name__ == "__main__":
         asyncio.run(log_calls(url, rest[0], int(rest[1]), int(rest[2]), int(rest[3])))
     elif mode == "hold":
         asyncio.run(hold(url, rest[0], float(rest[1])))
+    elif mode == "order":
+        fair, log, owners, index, start, spacing, turn = rest
+        asyncio.run(
+            order(
+                url,
+                fair == "fair",
+                log,
+                owners,
+                int(index),
+                int(start),
+                float(spacing),
+                float(turn),
+            )
+        )
     elif mode == "wait":
         asyncio.run(wait(url, rest[0], float(rest[1])))
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from .redis_helpers import Clients, one_node_cluster, until
 from .redis_server import RedisServer
 from .scheduling import Recorder
 
-pytestmark = pytest.mark.asyncio
+# Every test runs in the default mode and in fair mode (the redis_mode fixture).
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("redis_mode")]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -364,6 +366,8 @@ async def test_bad_arguments() -> None:
         RedisKeyedQueue(client, namespace="n", lease=0)
     with pytest.raises(TypeError, match=r"needs an asyncio client .*, not builtins\.object"):
         RedisKeyedQueue(object(), namespace="n")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="fair must be True or False, not 'yes'"):
+        RedisKeyedQueue(client, namespace="n", fair="yes")  # type: ignore[arg-type]
     queue = RedisKeyedQueue(client, namespace="n")
     with pytest.raises(TypeError, match="coalesce=True needs an in-process KeyedSerialQueue"):
         serialized(coalesce=True, queue=queue)(asyncio.sleep)
@@ -523,3 +527,12 @@ async def _serializes_across_two_queues(client: redis.RedisCluster) -> None:
     assert rec.log.index("end a") < rec.log.index("start b")
     await first.aclose()
     await second.aclose()
+
+
+async def test_the_redis_mode_fixture_makes_the_queues_it_promises(
+    clients: Clients, redis_mode: str
+) -> None:
+    queue = RedisKeyedQueue(clients(), namespace="t")
+    assert queue.fair is (redis_mode == "fair")
+    assert (os.environ.get("KEYSERIAL_TEST_REDIS_FAIR") == "1") is (redis_mode == "fair")
+    await queue.aclose()

@@ -14,8 +14,10 @@ from keyserial.redis import RedisKeyedQueue, encode_key
 
 from .redis_helpers import Clients
 
+# Every test runs in the default mode and in fair mode (the redis_mode fixture).
 pytestmark = [
     pytest.mark.asyncio,
+    pytest.mark.usefixtures("redis_mode"),
     pytest.mark.skipif(
         sys.version_info < (3, 11), reason="Python 3.10 keeps no count of a task's cancellations"
     ),

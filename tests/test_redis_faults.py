@@ -24,7 +24,8 @@ from .redis_helpers import Clients, until
 from .redis_server import RedisServer
 from .scheduling import Recorder
 
-pytestmark = pytest.mark.asyncio
+# Every test runs in the default mode and in fair mode (the redis_mode fixture).
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("redis_mode")]
 
 
 async def debug_sleep(client: redis.asyncio.Redis, seconds: float) -> None:

@@ -9,16 +9,19 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from keyserial.redis import _scripts as _redis_scripts
 from keyserial.redis._transport import LuaScript
 
+from . import fair_order
 from .redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.usefixtures("redis_mode")
 def test_four_processes_twenty_keys_no_overlap_fifo_exactly_once(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
@@ -104,3 +107,16 @@ class Arrivals:
             if parts[0] == "EVALSHA" and parts[1] == self.sha and parts[3].endswith(marker):
                 tickets.append(parts[5])
         return tickets
+
+
+@pytest.mark.parametrize("mode", ["fair", "default"])
+def test_across_processes_fair_mode_runs_calls_in_the_order_they_were_made(
+    redis_server: RedisServer, tmp_path: Path, mode: str
+) -> None:
+    worker = [sys.executable, "-m", "tests.redis_worker", redis_server.url, "order", mode]
+    records = fair_order.run_workers(worker, tmp_path / "calls.log", seed=7)
+    overtakes = fair_order.check_turns(records)
+    if mode == "fair":
+        assert overtakes == 0
+    else:
+        fair_order.report("Redis, default mode", overtakes)

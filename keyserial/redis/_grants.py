@@ -88,6 +88,10 @@ class GrantListener:
             fence = int(fence_text)
         except ValueError:
             return  # not a grant of ours
+        self.grant(ticket, fence)
+
+    def grant(self, ticket: str, fence: int) -> None:
+        """``ticket`` was granted with ``fence``: wake its wait, or keep the fence for it."""
         waiting = self.waiting.get(ticket, _NOT_WAITING)
         if waiting is _NOT_WAITING:
             return  # nobody waits for this ticket any more

@@ -24,6 +24,7 @@ class RedisLock:
     __slots__ = (
         "_cancels_before",
         "_encoded",
+        "_fair",
         "_fence_token",
         "_keeper",
         "_local",
@@ -34,9 +35,15 @@ class RedisLock:
     )
 
     def __init__(
-        self, turns: RedisTurns, local: KeyLock, encoded: str, timeout: float | None
+        self,
+        turns: RedisTurns,
+        local: KeyLock,
+        encoded: str,
+        timeout: float | None,
+        fair: bool = False,
     ) -> None:
         self._turns = turns
+        self._fair = fair
         self._encoded = encoded
         self._timeout = timeout
         self._local = local  # the in-process queue's lock of the encoded key
@@ -65,17 +72,31 @@ class RedisLock:
         turns, encoded = self._turns, self._encoded
         loop = asyncio.get_running_loop()
         deadline = None if self._timeout is None else loop.time() + self._timeout
-        await self._local.__aenter__()
         task: Task = asyncio.current_task()  # type: ignore[assignment]
+        # Fair mode: the block's ticket goes to Redis as it registers here (see _tickets).
+        early = (
+            turns.register(encoded) if self._fair and (task, encoded) not in turns.held else None
+        )
+        try:
+            await self._local.__aenter__()
+        except BaseException:
+            if early is not None:
+                turns.withdraw(early)
+            raise
         turn = turns.held.get((task, encoded))
         if turn is None:  # not a re-entry: take the Redis turn for this block
             try:
-                turn, self._keeper = await turns.take(encoded, deadline, task)
+                if early is None:
+                    turn, self._keeper = await turns.take(encoded, deadline, task)
+                else:
+                    turn, self._keeper = await turns.take_early(early, encoded, deadline, task)
             except BaseException:
                 await self._local.__aexit__(None, None, None)
                 raise
             self._turn, self._task = turn, task
             self._cancels_before = cancel_count(task)
+        elif early is not None:
+            turns.withdraw(early)
         held = turn
         owner = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the block's coroutine
         self._fence_token = enter_lock_block(owner, lambda: held.fence)

@@ -18,6 +18,7 @@ from .._queue import KeyedSerialQueue
 from ._lease import Turn
 from ._lock import RedisLock
 from ._names import encode_key, encoded_namespace
+from ._tickets import EarlyTicket
 from ._turns import RedisTurns
 
 T = TypeVar("T")
@@ -33,10 +34,14 @@ class RedisKeyedQueue:
 
     Calls with the same key, made in any process connected to the same Redis
     with the same ``namespace``, run one at a time: at most one holds the turn
-    while leases hold. Within one process, turns follow registration order; across
-    processes, they follow the order in which each process's next call reaches Redis (a
-    ticket queue per key holds one ticket per process), so a later call of one process
-    can run before an earlier call still queued inside another. A waiter is woken by a
+    while leases hold. Within one process, turns follow registration order. Across
+    processes, by default, they follow the order in which each process's next call
+    reaches Redis (a ticket queue per key holds one ticket per process), so a later call
+    of one process can run before an earlier call still queued inside another. With
+    ``fair=True`` every call sends its ticket when it registers, and turns follow the
+    order in which the calls reached Redis, whatever their process, as Redisson's
+    ``FairLock`` does; each waiting call then keeps its ticket alive with a poll every
+    third of a lease. A waiter is woken by a
     Redis pub/sub message on its process's own channel within one round trip of the
     release; a slow poll (``lease / 3``) is the fallback for a lost message and the
     heartbeat that keeps its ticket alive. Needs Redis 6.2 or later.
@@ -63,6 +68,9 @@ class RedisKeyedQueue:
         lease: seconds a turn is held without renewal, at least ``MIN_LEASE``
             (0.1); the longest a dead holder can stall a key.
         max_pending: per-key bound on this process's running plus waiting calls.
+        fair: grant turns across processes in the order the calls reached Redis (see
+            above). Every process of one queue should use the same setting: a process in
+            the default mode still holds one ticket per key at a time.
 
     Raises:
         TypeError: ``client`` is not an asyncio Redis client (a synchronous
@@ -87,6 +95,7 @@ class RedisKeyedQueue:
         lease: float = 10.0,
         *,
         max_pending: int | None = None,
+        fair: bool = False,
     ) -> None:
         if not isinstance(client, (redis_asyncio.Redis, redis_asyncio.RedisCluster)):
             raise TypeError(
@@ -107,8 +116,11 @@ class RedisKeyedQueue:
             raise ValueError(
                 f"lease must be a finite number of seconds >= {MIN_LEASE}, got {lease!r}"
             )
+        if not isinstance(fair, bool):
+            raise TypeError(f"fair must be True or False, not {fair!r}")
         self._client = client
         self._lease = float(lease)
+        self._fair = fair
         self._local = KeyedSerialQueue(max_pending=max_pending)
         self._turns = RedisTurns(client, encoded_namespace(namespace), self._lease)
 
@@ -116,6 +128,17 @@ class RedisKeyedQueue:
     def lease(self) -> float:
         """Seconds a turn is held without renewal."""
         return self._lease
+
+    @property
+    def fair(self) -> bool:
+        """Whether turns follow the order in which calls reached Redis, across processes."""
+        return self._fair
+
+    def _early_ticket(self, encoded: str, task: Task | None) -> EarlyTicket | None:
+        """Fair mode: this call's ticket, sent now; None in the default mode or on re-entry."""
+        if not self._fair or (task is not None and (task, encoded) in self._turns.held):
+            return None
+        return self._turns.register(encoded)
 
     # -- running calls --------------------------------------------------------------------
 
@@ -126,13 +149,17 @@ class RedisKeyedQueue:
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
         deadline: float | None,
+        early: EarlyTicket | None,
     ) -> T:
         task: Task = asyncio.current_task()  # type: ignore[assignment]
         turns = self._turns
         turn = turns.held.get((task, encoded))
         if turn is not None:  # re-entry: the outer turn holds the key
             return await awaitable_result(fn, fn(*args, **kwargs))
-        turn, keeper = await turns.take(encoded, deadline, task)
+        if early is None:
+            turn, keeper = await turns.take(encoded, deadline, task)
+        else:
+            turn, keeper = await turns.take_early(early, encoded, deadline, task)
         before = cancel_count(task)
         try:
             result = await awaitable_result(fn, fn(*args, **kwargs))
@@ -187,7 +214,12 @@ class RedisKeyedQueue:
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         # Without a bound, the in-process queue's own run: its fastest path.
         local = self._local if timeout is None else self._local.with_options(timeout=timeout)
-        return await local.run(encoded, self._turn, encoded, fn, args, kwargs, deadline)
+        early = self._early_ticket(encoded, asyncio.current_task())
+        try:
+            return await local.run(encoded, self._turn, encoded, fn, args, kwargs, deadline, early)
+        finally:
+            if early is not None:
+                self._turns.withdraw(early)  # nothing to do once the call took it up
 
     call = deprecated_call
 
@@ -212,7 +244,17 @@ class RedisKeyedQueue:
         encoded = encode_key(key)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         local = self._local.with_options(timeout=timeout)
-        return local.submit(encoded, self._turn, encoded, fn, args, kwargs, deadline)
+        early = self._early_ticket(encoded, None)  # a task of its own: never a re-entry
+        try:
+            task = local.submit(encoded, self._turn, encoded, fn, args, kwargs, deadline, early)
+        except BaseException:
+            if early is not None:
+                self._turns.withdraw(early)
+            raise
+        if early is not None:
+            ticket = early
+            task.add_done_callback(lambda _: self._turns.withdraw(ticket))
+        return task
 
     def with_options(self, *, timeout: float | None = None) -> WaitOptions:
         """This queue's ``run``, ``submit`` and ``lock``, each with ``timeout`` bounding the
@@ -239,7 +281,9 @@ class RedisKeyedQueue:
         if group is not None:  # with_options takes no group here
             raise ValueError("RedisKeyedQueue does not coalesce: group= is in-process only")
         encoded = encode_key(key)
-        return RedisLock(self._turns, self._local.lock(encoded, timeout), encoded, timeout)
+        return RedisLock(
+            self._turns, self._local.lock(encoded, timeout), encoded, timeout, self._fair
+        )
 
     async def join(self) -> None:
         """Wait until this process has no registered work."""

@@ -24,6 +24,7 @@ from . import _scripts as scripts
 from ._grants import GrantListener, finished_within, time_up
 from ._lease import LeaseKeeper, Turn
 from ._names import base_name
+from ._tickets import EarlyTicket, Sender, keep_alive
 from ._transport import LuaScript, RedisUnavailable, ScriptRunner, text
 
 Task = asyncio.Task[Any]
@@ -57,6 +58,8 @@ class RedisTurns:
         self.held: dict[tuple[Task, str], Turn] = {}
         self.background: set[Task] = set()
         self.policy_checked = False
+        #: Fair mode: the senders of tickets still to be sent, by event loop and base name.
+        self.senders: dict[tuple[asyncio.AbstractEventLoop, str], Sender] = {}
 
     def base(self, encoded: str) -> str:
         """The name the scripts derive the key's Redis keys from; its braces are a hash tag."""
@@ -208,6 +211,115 @@ class RedisTurns:
                 return int(fence)
             if status == "lost":
                 return None
+
+    # -- fair mode: a ticket per call, sent when the call registers (see _tickets) ------------
+
+    def register(self, encoded: str) -> EarlyTicket:
+        """Send a ticket for ``encoded`` now, behind this event loop's earlier ones for it.
+
+        The call that registers it takes it up with `take_early` when its turn in this
+        process comes, or gives it up with `withdraw`; one of the two must follow.
+        """
+        loop = asyncio.get_running_loop()
+        ticket = EarlyTicket(self.base(encoded))
+        at = (loop, ticket.base)
+        sender = self.senders.get(at)
+        if sender is None:
+            sender = self.senders[at] = Sender()
+        if sender.add(ticket):
+            self.in_background(self._send_all(at, sender))
+        return ticket
+
+    async def _send_all(self, at: tuple[asyncio.AbstractEventLoop, str], sender: Sender) -> None:
+        try:
+            await sender.send_all(self._send_early)
+        finally:
+            if not sender.queue and self.senders.get(at) is sender:
+                del self.senders[at]
+
+    async def _send_early(self, ticket: EarlyTicket) -> str:
+        listener = await self.listener()
+        ticket.name = listener.new_ticket()
+        ticket.asked = asyncio.get_running_loop().time()
+        try:
+            reply = text(
+                await self.script(self.acquire_script, ticket.base, self.lease_ms, ticket.name)
+            )
+        except BaseException:
+            # Its call registers anew when it takes it up. The request may still reach a
+            # stalled Redis: leaving marks the ticket gone, so that it is refused then.
+            listener.forget(ticket.name)
+            self.in_background(self.leave(ticket.base, ticket.name))
+            raise
+        if reply == "" and not (ticket.taken or ticket.withdrawn):
+            keep_alive(ticket, self.poll, self._poll_early, listener.grant, self.in_background)
+        return reply
+
+    async def _poll_early(self, base: str, ticket: str) -> tuple[str, str]:
+        status, fence = await self.script(self.poll_script, base, ticket, self.lease_ms)
+        return text(status), text(fence)
+
+    async def take_early(
+        self, ticket: EarlyTicket, encoded: str, deadline: float | None, task: Task
+    ) -> tuple[Turn, LeaseKeeper]:
+        """`take`, for a call whose ticket `register` already sent."""
+        ticket.taken = True
+        ticket.stop_keeping()
+        turn = await self._acquire_early(ticket, encoded, deadline)
+        self.held[(task, encoded)] = turn
+        return turn, LeaseKeeper(turn, task, self.lease, self.renew)
+
+    async def _acquire_early(
+        self, ticket: EarlyTicket, encoded: str, deadline: float | None
+    ) -> Turn:
+        loop = asyncio.get_running_loop()
+        try:
+            if not ticket.reply.done():  # still being sent: wait, as a request is bounded
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                await asyncio.wait_for(asyncio.shield(ticket.reply), remaining)
+            failed = ticket.reply.cancelled() or ticket.reply.exception() is not None
+        except BaseException:
+            ticket.taken = False
+            self.withdraw(ticket)
+            raise
+        if failed or ticket.reply.result() == "-":
+            # It never reached Redis (unreachable then): register as a new call would.
+            return await self.acquire(encoded, deadline)
+        listener = await self.listener()
+        base, name, reply = ticket.base, ticket.name, ticket.reply.result()
+        try:
+            if reply:
+                return Turn(base, name, int(reply), ticket.asked)
+            fence = await self._wait(listener, base, name, deadline)
+        except BaseException:
+            self.in_background(self.leave(base, name))
+            raise
+        finally:
+            listener.forget(name)
+        if fence is None:  # Redis lost the ticket (a restart): register again
+            return await self.acquire(encoded, deadline)
+        return Turn(base, name, fence, ticket.asked)
+
+    def withdraw(self, ticket: EarlyTicket) -> None:
+        """The call of ``ticket`` ended without taking it up: take it out of Redis's queue.
+
+        A ticket not sent yet is never sent; one on its way leaves once it arrives; one
+        already granted passes the turn on.
+        """
+        if ticket.taken or ticket.withdrawn:
+            return
+        ticket.withdrawn = True
+        ticket.stop_keeping()
+        ticket.reply.add_done_callback(lambda _: self._leave_early(ticket))
+
+    def _leave_early(self, ticket: EarlyTicket) -> None:
+        reply = ticket.reply
+        if reply.cancelled() or reply.exception() is not None or reply.result() == "-":
+            return  # it never reached Redis's queue
+        listener = self.listeners.get(reply.get_loop())
+        if listener is not None:
+            listener.forget(ticket.name)
+        self.in_background(self.leave(ticket.base, ticket.name))
 
     async def leave(self, base: str, ticket: str) -> bool:
         """Take ``ticket`` out of the key's queue, passing the turn on; True if it held it."""

@@ -1,0 +1,79 @@
+"""The cross-process order test shared by the Redis and PostgreSQL backends.
+
+Four processes make calls on one key on a shuffled schedule: call ``i`` is made
+``i * SPACING`` after a common start, by a process picked at random, and each turn lasts
+``TURN`` (longer than the spacing), so every process queues several calls of its own. Each
+worker writes one line per call: ``call made_ns started_ns ended_ns``, on the system-wide
+monotonic clock. An *overtake* is a pair of calls where the one made at least ``MARGIN``
+earlier started later.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from itertools import pairwise
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROCESSES = 4
+CALLS = 40
+SPACING = 0.05
+TURN = 0.075
+MARGIN_NS = 20_000_000
+
+
+def schedule(seed: int) -> list[int]:
+    """The process making each call, shuffled so that every process makes CALLS / 4."""
+    owners = [call % PROCESSES for call in range(CALLS)]
+    random.Random(seed).shuffle(owners)
+    return owners
+
+
+def run_workers(worker: list[str], log: Path, seed: int) -> list[tuple[int, int, int, int]]:
+    """Start the processes (``worker`` is the command before the common arguments), wait for
+    them, and return ``(call, made, started, ended)`` for every call, in call order."""
+    owners = ",".join(map(str, schedule(seed)))
+    start = time.monotonic_ns() + 3_000_000_000  # after every process has started
+    workers = [
+        subprocess.Popen(
+            [*worker, str(log), owners, str(index), str(start), str(SPACING), str(TURN)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for index in range(PROCESSES)
+    ]
+    try:
+        for process in workers:
+            out, _ = process.communicate(timeout=120)
+            assert process.returncode == 0 and out.strip() == "done", out
+    finally:
+        for process in workers:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    records = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    return sorted((r[0], r[1], r[2], r[3]) for r in records)
+
+
+def check_turns(records: list[tuple[int, int, int, int]]) -> int:
+    """Assert every call ran once and no two turns overlapped; return the overtakes."""
+    assert [call for call, *_ in records] == list(range(CALLS)), "a call ran twice or never"
+    by_start = sorted(records, key=lambda record: record[2])
+    for (_, _, _, ended), (_, _, started, _) in pairwise(by_start):
+        assert ended <= started, "two turns overlapped"
+    return sum(
+        1
+        for _, made, started, _ in records
+        for _, later_made, later_started, _ in records
+        if later_made - made >= MARGIN_NS and started > later_started
+    )
+
+
+def report(name: str, overtakes: int) -> None:
+    """Say the default mode's figure in the test log (it is measured, not asserted)."""
+    sys.stdout.write(f"\n{name}: {overtakes} overtaking pairs\n")
