@@ -68,6 +68,20 @@ def redis_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return str(request.param)
 
 
+@pytest.fixture(params=["default", "fair"])
+def postgres_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a PostgreSQL test twice: with the default mode, and with every
+    ``PostgresKeyedQueue`` it makes (in the test, and in its worker processes) in fair mode."""
+    if request.param == "fair":
+        from keyserial.postgres import PostgresKeyedQueue
+
+        defaults = PostgresKeyedQueue.__init__.__kwdefaults__
+        assert defaults is not None and "fair" in defaults, "PostgresKeyedQueue lost fair="
+        monkeypatch.setitem(defaults, "fair", True)
+        monkeypatch.setenv("KEYSERIAL_TEST_POSTGRES_FAIR", "1")
+    return str(request.param)
+
+
 @pytest_asyncio.fixture
 async def clients(redis_server: RedisServer) -> AsyncIterator[Clients]:
     """Makes Redis clients for the test's server (one per simulated process), closed after."""

@@ -11,6 +11,8 @@ python -m tests.postgres_worker DSN hold-idle KEY LEASE
     the same, without the "partial" row: "holding" comes before the turn's first statement
 python -m tests.postgres_worker DSN sleep KEY LEASE
     take KEY's turn, print "holding", and run ``SELECT pg_sleep(60)`` in it
+python -m tests.postgres_worker DSN order MODE LOG OWNERS INDEX START SPACING TURN
+    the cross-process order test's worker (see tests/fair_order.py), MODE fair or default
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ CREATE TABLE IF NOT EXISTS state (key text PRIMARY KEY, value bigint NOT NULL);
 CREATE TABLE IF NOT EXISTS writes (key text, stage text, pid int);
 """
 
+#: Set by the tests' postgres_mode fixture: the queues of the fault modes run in fair mode.
+FAIR = os.environ.get("KEYSERIAL_TEST_POSTGRES_FAIR") == "1"
+
 MODULUS = 2**31 - 1  # state * 31 stays far inside bigint
 
 
@@ -45,7 +50,7 @@ async def log_calls(dsn: str, seed: int, calls: int, keys: int) -> None:
     # A turn holds a connection, so at most this many keys run at once in one process;
     # the shared test server has other tests' connections to serve too.
     async with AsyncConnectionPool(dsn, min_size=1, max_size=min(keys, 6), open=False) as pool:
-        queue = PostgresKeyedQueue(pool, namespace="multi")
+        queue = PostgresKeyedQueue(pool, namespace="multi", fair=FAIR)
         rng = random.Random(seed)
         pid = os.getpid()
 
@@ -78,7 +83,7 @@ async def log_calls(dsn: str, seed: int, calls: int, keys: int) -> None:
 
 async def hold(dsn: str, key: str, lease: float, mode: str = "hold") -> None:
     async with AsyncConnectionPool(dsn, min_size=1, max_size=2, open=False) as pool:
-        queue = PostgresKeyedQueue(pool, namespace="faults", lease=lease)
+        queue = PostgresKeyedQueue(pool, namespace="faults", lease=lease, fair=FAIR)
         pid = os.getpid()
 
         async def turn() -> None:
@@ -100,6 +105,45 @@ async def hold(dsn: str, key: str, lease: float, mode: str = "hold") -> None:
         say("committed")
 
 
+async def order(
+    dsn: str,
+    fair: bool,
+    log_path: str,
+    owners: str,
+    index: int,
+    start: int,
+    spacing: float,
+    turn: float,
+) -> None:
+    # Fair mode holds a connection per waiting call: room for every call of this process.
+    async with AsyncConnectionPool(dsn, min_size=1, max_size=12, open=False) as pool:
+        queue = PostgresKeyedQueue(pool, namespace="order", lease=5.0, fair=fair)
+        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+        async def work(call: int, made: int) -> None:
+            started = time.monotonic_ns()
+            await connection().execute("SELECT pg_sleep(%s)", (turn,))
+            os.write(log, f"{call} {made} {started} {time.monotonic_ns()}\n".encode())
+
+        async def warm_up() -> None:
+            pass
+
+        # As a long-running service would be: connected, its fence sequence in place.
+        await queue.run("warm-up", warm_up)
+        calls: list[asyncio.Task[None]] = []
+        for call, owner in enumerate(owners.split(",")):
+            if int(owner) != index:
+                continue
+            await asyncio.sleep(
+                max(0.0, (start + call * spacing * 1e9 - time.monotonic_ns()) / 1e9)
+            )
+            calls.append(asyncio.create_task(queue.run("key", work, call, time.monotonic_ns())))
+        await asyncio.gather(*calls)
+        await queue.aclose()
+        os.close(log)
+    say("done")
+
+
 def create_schema(dsn: str) -> None:
     import psycopg
 
@@ -111,6 +155,20 @@ def main() -> None:
     dsn, mode, *rest = sys.argv[1:]
     if mode == "log":
         asyncio.run(log_calls(dsn, int(rest[0]), int(rest[1]), int(rest[2])))
+    elif mode == "order":
+        fair, log, owners, index, start, spacing, turn = rest
+        asyncio.run(
+            order(
+                dsn,
+                fair == "fair",
+                log,
+                owners,
+                int(index),
+                int(start),
+                float(spacing),
+                float(turn),
+            )
+        )
     elif mode in ("hold", "hold-idle", "sleep"):
         asyncio.run(hold(dsn, rest[0], float(rest[1]), mode))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from typing import Any
 
 import psycopg
@@ -18,7 +19,8 @@ from .conftest import Pools
 from .redis_helpers import until
 from .scheduling import Recorder
 
-pytestmark = pytest.mark.asyncio
+# Every test runs in the default mode and in fair mode (the postgres_mode fixture).
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("postgres_mode")]
 
 
 async def _table(pool: AsyncConnectionPool[Any]) -> None:
@@ -243,6 +245,8 @@ async def test_bad_input(pools: Pools) -> None:
     for lease in (math.inf, math.nan, 0, 0.01):
         with pytest.raises(ValueError, match="lease"):
             PostgresKeyedQueue(pool, namespace="n", lease=lease)
+    with pytest.raises(TypeError, match="fair must be True or False, not 1"):
+        PostgresKeyedQueue(pool, namespace="n", fair=1)  # type: ignore[arg-type]
     queue = PostgresKeyedQueue(pool, namespace="n")
 
     async def work() -> None:
@@ -294,3 +298,11 @@ async def test_an_uncontended_call_takes_the_lock_and_begin_in_one_round_trip(
     waits = [message for message in sent if message in ("Sync", "Query")]
     # BEGIN + settings + lock + fence (one query), the function's statement, COMMIT.
     assert waits == ["Query", "Query", "Query"], sent
+
+
+async def test_the_postgres_mode_fixture_makes_the_queues_it_promises(
+    pools: Pools, postgres_mode: str
+) -> None:
+    queue = PostgresKeyedQueue(await pools(), namespace="t")
+    assert queue.fair is (postgres_mode == "fair")
+    assert (os.environ.get("KEYSERIAL_TEST_POSTGRES_FAIR") == "1") is (postgres_mode == "fair")

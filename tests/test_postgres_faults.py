@@ -34,7 +34,8 @@ from keyserial.postgres import (
 from .conftest import Pools
 from .test_postgres_processes import ROOT, Holder
 
-pytestmark = pytest.mark.asyncio
+# Every test runs in the default mode and in fair mode (the postgres_mode fixture).
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("postgres_mode")]
 
 
 class CommitCutter:

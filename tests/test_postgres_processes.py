@@ -17,12 +17,14 @@ from psycopg_pool import AsyncConnectionPool
 
 from keyserial.postgres import CommitInDoubt, PostgresKeyedQueue, PostgresUnavailable, connection
 
+from . import fair_order
 from .postgres_server import PrivateCluster
 from .postgres_worker import MODULUS, create_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.usefixtures("postgres_mode")
 def test_four_processes_twenty_keys_no_overlap_fifo_exactly_once(postgres_dsn: str) -> None:
     create_schema(postgres_dsn)
     processes, calls, keys = 4, 120, 20
@@ -110,6 +112,7 @@ async def _stages(dsn: str) -> list[str]:
 
 
 @pytest.mark.asyncio
+@pytest.mark.usefixtures("postgres_mode")
 async def test_a_killed_holder_leaves_no_partial_write_and_frees_the_key(postgres_dsn: str) -> None:
     create_schema(postgres_dsn)
     holder = Holder(postgres_dsn, "k", 10.0)
@@ -132,6 +135,7 @@ async def test_a_killed_holder_leaves_no_partial_write_and_frees_the_key(postgre
 
 
 @pytest.mark.asyncio
+@pytest.mark.usefixtures("postgres_mode")
 async def test_a_stopped_holder_loses_its_transaction_and_its_late_write(postgres_dsn: str) -> None:
     create_schema(postgres_dsn)
     lease = 0.5  # the holder's idle_in_transaction_session_timeout
@@ -156,6 +160,7 @@ async def test_a_stopped_holder_loses_its_transaction_and_its_late_write(postgre
 
 
 @pytest.mark.asyncio
+@pytest.mark.usefixtures("postgres_mode")
 async def test_a_server_restart_mid_run_keeps_nothing_half_written() -> None:
     cluster = PrivateCluster()
     cluster.start()
@@ -190,3 +195,16 @@ async def test_a_server_restart_mid_run_keeps_nothing_half_written() -> None:
             await queue.run("key-0", work, 999)  # and the queue works again
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("mode", ["fair", "default"])
+def test_across_processes_fair_mode_runs_calls_in_the_order_they_were_made(
+    postgres_dsn: str, tmp_path: Path, mode: str
+) -> None:
+    worker = [sys.executable, "-m", "tests.postgres_worker", postgres_dsn, "order", mode]
+    records = fair_order.run_workers(worker, tmp_path / "calls.log", seed=7)
+    overtakes = fair_order.check_turns(records)
+    if mode == "fair":
+        assert overtakes == 0
+    else:
+        fair_order.report("PostgreSQL, default mode", overtakes)

@@ -18,7 +18,8 @@ from keyserial.postgres import PostgresKeyedQueue, TurnRolledBack, connection
 from .conftest import Pools
 from .test_postgres_faults import holding
 
-pytestmark = pytest.mark.asyncio
+# Every test runs in the default mode and in fair mode (the postgres_mode fixture).
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("postgres_mode")]
 
 
 async def _segments(pool: AsyncConnectionPool[Any]) -> dict[str, str]:

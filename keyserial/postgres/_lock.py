@@ -53,10 +53,18 @@ class PostgresLock:
     async def __aenter__(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = None if self._timeout is None else loop.time() + self._timeout
-        await self._local.__aenter__()
         task: Task = asyncio.current_task()  # type: ignore[assignment]
+        turns = self._turns
+        # Fair mode: the block's transaction asks for its locks as it registers (see _early).
+        early = turns.register(self._keys) if turns.fair and task not in turns.held else None
         try:
-            turn, keeper = await self._turns.enter(task, self._keys, deadline)
+            await self._local.__aenter__()
+        except BaseException:
+            if early is not None:
+                await turns.withdraw(early)
+            raise
+        try:
+            turn, keeper = await turns.enter(task, self._keys, deadline, early)
         except BaseException:
             await self._local.__aexit__(None, None, None)
             raise

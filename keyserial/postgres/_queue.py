@@ -16,6 +16,7 @@ from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
 from .._stats import QueueStats
 from ._connection import register_connection_code
+from ._early import EarlyTurn
 from ._ids import lock_id
 from ._lock import PostgresLock
 from ._turn import PgTurn
@@ -33,8 +34,12 @@ class PostgresKeyedQueue:
     """A keyed serial queue whose turns are PostgreSQL transactions holding advisory locks.
 
     Calls with the same key, made in any process connected to the same database with the
-    same ``namespace``, run one at a time, granted in the order their waits reach the
-    server's lock manager, and within one process in registration order. A turn is a
+    same ``namespace``, run one at a time; within one process in registration order.
+    Across processes, by default, turns are granted in the order each process's next call
+    reaches the server's lock manager, so a later call of one process can run before an
+    earlier call still queued inside another. With ``fair=True`` every call asks for its
+    locks when it registers, and turns follow the order in which the calls reached the
+    server, whatever their process. A turn is a
     transaction: it holds ``pg_advisory_xact_lock`` on the key, and the function's
     statements on [connection][keyserial.postgres.connection] run in that same
     transaction. They commit together with the end of the turn when the function returns,
@@ -42,10 +47,12 @@ class PostgresKeyedQueue:
     loses its connection cannot commit anything: its transaction is rolled back and its
     locks released, by the server.
 
-    Only the first call of a key in a process waits in the database (the others wait in
-    the process, behind it), so a process uses one connection per key it is running or
-    waiting for. An uncontended call costs two round trips: ``BEGIN`` with the lock and
-    the fence in one, ``COMMIT``.
+    By default only the first call of a key in a process waits in the database (the others
+    wait in the process, behind it), so a process uses one connection per key it is
+    running or waiting for. With ``fair=True`` every waiting call holds a connection of
+    its own: size the pool for the calls a process runs and waits for at once. An
+    uncontended call costs two round trips: ``BEGIN`` with the lock and the fence in one,
+    ``COMMIT``.
 
     Args:
         pool: the application's ``psycopg_pool.AsyncConnectionPool`` (connections in the
@@ -62,6 +69,8 @@ class PostgresKeyedQueue:
             (fences continue above those of a fence table of that name from an earlier
             version).
         schema: the schema of the sequence (by default the connection's search path).
+        fair: grant turns across processes in the order the calls reached the server (see
+            above). Every process of one queue should use the same setting.
 
     Raises:
         TypeError: ``pool`` is not a ``psycopg_pool.AsyncConnectionPool``, or
@@ -95,6 +104,7 @@ class PostgresKeyedQueue:
         max_pending: int | None = None,
         table: str = "keyserial_fences",
         schema: str | None = None,
+        fair: bool = False,
     ) -> None:
         if not isinstance(pool, AsyncConnectionPool):
             module = type(pool).__module__
@@ -115,15 +125,28 @@ class PostgresKeyedQueue:
             raise ValueError(
                 f"lease must be a finite number of seconds >= {MIN_LEASE}, got {lease!r}"
             )
+        if not isinstance(fair, bool):
+            raise TypeError(f"fair must be True or False, not {fair!r}")
         self._namespace = namespace
         self._lease = float(lease)
         self._local = KeyedSerialQueue(max_pending=max_pending)
-        self._turns = PostgresTurns(pool, table, schema, self._lease)
+        self._turns = PostgresTurns(pool, table, schema, self._lease, fair)
 
     @property
     def lease(self) -> float:
         """Seconds a turn's transaction may sit idle before the server ends it."""
         return self._lease
+
+    @property
+    def fair(self) -> bool:
+        """Whether turns follow the order in which calls reached the server, across processes."""
+        return self._turns.fair
+
+    def _early_turn(self, ids: Mapping[int, Hashable], task: Task | None) -> EarlyTurn | None:
+        """Fair mode: this call's turn, begun now; None by default or inside a turn."""
+        if not self._turns.fair or (task is not None and task in self._turns.held):
+            return None
+        return self._turns.register(ids)
 
     def _ids(self, keys: Iterable[Hashable]) -> dict[int, Hashable]:
         """Each key's advisory-lock id, mapped to the key (which errors name)."""
@@ -136,10 +159,11 @@ class PostgresKeyedQueue:
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
         deadline: float | None,
+        early: EarlyTurn | None = None,
     ) -> T:
         """Run ``fn`` in a transaction holding ``keys`` (the process's own turn is held)."""
         task: Task = asyncio.current_task()  # type: ignore[assignment]
-        turn, keeper = await self._turns.enter(task, keys, deadline)
+        turn, keeper = await self._turns.enter(task, keys, deadline, early)
         try:
             result = await awaitable_result(fn, fn(*args, **kwargs))
         except BaseException as exc:
@@ -195,7 +219,12 @@ class PostgresKeyedQueue:
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         # Without a bound, the in-process queue's own run: its fastest path.
         local = self._local if timeout is None else self._local.with_options(timeout=timeout)
-        return await local.run(key, self._turn, ids, fn, args, kwargs, deadline)
+        early = self._early_turn(ids, asyncio.current_task())
+        try:
+            return await local.run(key, self._turn, ids, fn, args, kwargs, deadline, early)
+        finally:
+            if early is not None:
+                await self._turns.withdraw(early)  # nothing to do once the call took it up
 
     call = deprecated_call
 
@@ -220,7 +249,17 @@ class PostgresKeyedQueue:
         ids = self._ids((key,))
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         local = self._local.with_options(timeout=timeout)
-        return local.submit(key, self._turn, ids, fn, args, kwargs, deadline)
+        early = self._early_turn(ids, None)  # a task of its own: never inside a turn
+        try:
+            task = local.submit(key, self._turn, ids, fn, args, kwargs, deadline, early)
+        except BaseException:
+            if early is not None:
+                self._turns.withdraw_soon(early)
+            raise
+        if early is not None:
+            turn = early
+            task.add_done_callback(lambda _: self._turns.withdraw_soon(turn))
+        return task
 
     def with_options(self, *, timeout: float | None = None) -> MultiKeyWaitOptions:
         """This queue's ``run``, ``submit``, ``lock``, ``run_all`` and ``lock_all``, each with
@@ -260,7 +299,14 @@ class PostgresKeyedQueue:
         """
         check_function(fn, "run_all")
         ids = self._ids(keys)
-        return await self._local.run_all(ids.values(), self._turn, ids, fn, args, kwargs, None)
+        early = self._early_turn(ids, asyncio.current_task())
+        try:
+            return await self._local.run_all(
+                ids.values(), self._turn, ids, fn, args, kwargs, None, early
+            )
+        finally:
+            if early is not None:
+                await self._turns.withdraw(early)
 
     def lock(self, key: Hashable, timeout: float | None = None) -> KeyLock:
         """Hold ``key``'s turn, and its transaction, for the body of an ``async with`` block.
@@ -292,6 +338,7 @@ class PostgresKeyedQueue:
     async def aclose(self) -> None:
         """Refuse new work here and wait for the registered work (the pool stays open)."""
         await self._local.aclose()
+        await self._turns.settle()
 
 
 def _turn_fence(frame: Mapping[str, Any]) -> int | None:

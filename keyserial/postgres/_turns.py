@@ -24,6 +24,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .._errors import DeadlockError, safe_repr
+from ._early import PROBE_INTERVAL, WAITING_OR_HELD, EarlyTurn, lock_parts
 from ._errors import (
     CommitInDoubt,
     LeaseExpired,
@@ -79,9 +80,15 @@ class PostgresTurns:
     """Turns of one queue's keys, as transactions on connections of the application's pool."""
 
     def __init__(
-        self, pool: AsyncConnectionPool[Any], table: str, schema: str | None, lease: float
+        self,
+        pool: AsyncConnectionPool[Any],
+        table: str,
+        schema: str | None,
+        lease: float,
+        fair: bool = False,
     ) -> None:
         self.pool = pool
+        self.fair = fair
         #: Name the fence sequence, ``<table>_seq``, and the fence table of earlier versions.
         self.table = table
         self.schema = schema
@@ -99,9 +106,17 @@ class PostgresTurns:
         self.next_fence = sql.SQL("SELECT nextval({})").format(
             sql.Literal(self.sequence.as_string(None))
         )
+        #: Fair mode: lock id -> the latest call of this process to ask for it (see _early).
+        self.latest: dict[int, EarlyTurn] = {}
+        #: Fair mode: turns given up and rolled back, and probes, running on their own.
+        self.background: set[Task] = set()
 
     async def begin(
-        self, keys: Mapping[int, Hashable], deadline: float | None, loop: asyncio.AbstractEventLoop
+        self,
+        keys: Mapping[int, Hashable],
+        deadline: float | None,
+        loop: asyncio.AbstractEventLoop,
+        early: EarlyTurn | None = None,
     ) -> PgTurn:
         """Take a connection and lock ``keys`` (lock id -> the caller's key) in a new transaction.
 
@@ -126,12 +141,17 @@ class PostgresTurns:
                 raise PoolExhausted(
                     f"no connection for the turn of {_naming(keys)}: every connection of the "
                     f"pool (max_size={self.pool.max_size}) stayed in use for its timeout "
-                    f"({self.pool.timeout:g} s); a process holds one per key it runs or waits "
-                    "for in the database: raise the pool's max_size"
+                    f"({self.pool.timeout:g} s); a process holds one per "
+                    f"{'call' if self.fair else 'key'} it runs or waits for in the database: "
+                    "raise the pool's max_size"
                 ) from exc
             raise PostgresUnavailable(f"PostgreSQL is unreachable: {unreachable}") from exc
         except psycopg.OperationalError as exc:
             raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
+        if early is not None:
+            early.pid = connection.info.backend_pid
+            early.since = loop.time()
+            self._probe_if_watched(early)
         try:
             if not self.table_ready:
                 await ensure_sequence(connection, self.table, self.schema)
@@ -288,9 +308,17 @@ class PostgresTurns:
         """Roll back whatever is open and give the connection back (the pool drops a broken one).
 
         Shielded: a caller cancelled again meanwhile must not leave the connection out of
-        its pool, nor its transaction open.
+        its pool, nor its transaction open. It is cancelled all the same, once the
+        connection is back: when its task ends, it holds no connection.
         """
-        await asyncio.shield(self._roll_back_and_return(connection))
+        returning = asyncio.ensure_future(self._roll_back_and_return(connection))
+        try:
+            await asyncio.shield(returning)
+        except asyncio.CancelledError:
+            while not returning.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(returning)
+            raise
 
     async def _roll_back_and_return(self, connection: AsyncConnection[Any]) -> None:
         with contextlib.suppress(Exception):
@@ -301,20 +329,150 @@ class PostgresTurns:
         with contextlib.suppress(Exception):
             await self.pool.putconn(connection)
 
+    # -- fair mode: a transaction per call, begun when the call registers (see _early) -------
+
+    def register(self, keys: Mapping[int, Hashable]) -> EarlyTurn:
+        """Begin the turn of a call registering now: its locks are asked for at once, each
+        after this process's earlier requests for it are queued in the server.
+
+        The call takes it up with `enter` when its turn in this process comes, or gives it
+        up with `withdraw`; one of the two must follow.
+        """
+        early = EarlyTurn(keys)
+        before: list[asyncio.Future[None]] = []
+        for lock in keys:
+            previous = self.latest.get(lock)
+            if previous is not None and not previous.queued[lock].done():
+                before.append(previous.queued[lock])
+                previous.watched = True
+                self._probe_if_watched(previous)
+            self.latest[lock] = early
+        early.begin = asyncio.get_running_loop().create_task(self._begin_early(early, before))
+        return early
+
+    async def _begin_early(self, early: EarlyTurn, before: list[asyncio.Future[None]]) -> PgTurn:
+        try:
+            if before:
+                await asyncio.wait(before)  # waits without cancelling them
+            # No deadline: the call bounds the wait (see _take_up).
+            return await self.begin(early.keys, None, asyncio.get_running_loop(), early)
+        finally:
+            early.release_all()
+            for lock in early.keys:
+                if self.latest.get(lock) is early:
+                    del self.latest[lock]
+
+    def _probe_if_watched(self, early: EarlyTurn) -> None:
+        if early.watched and early.pid is not None and early.probe is None and early.pending():
+            early.probe = self._in_background(self._probe(early))
+
+    async def _probe(self, early: EarlyTurn) -> None:
+        """Look in ``pg_locks`` until each of ``early``'s requests is seen queued (or over)."""
+        wanted = {lock_parts(lock): lock for lock in early.keys}
+        while early.pending():
+            async with self.pool.connection() as probe:
+                cursor = await probe.execute(WAITING_OR_HELD, (early.pid,))
+                seen = {(int(high), int(low)) for high, low in await cursor.fetchall()}
+            early.mark_queued(wanted[parts] for parts in seen if parts in wanted)
+            if early.pending():
+                await asyncio.sleep(PROBE_INTERVAL)
+
+    async def withdraw(self, early: EarlyTurn) -> None:
+        """The call of ``early`` ended without taking it up: stop its wait in the server, or
+        roll back its transaction if it already holds the locks; return once its connection
+        is back in the pool, as a call that waited itself would.
+
+        Cancelled meanwhile, the caller goes on at once and the rest happens in the
+        background (`settle` waits for it).
+        """
+        giving_up = self.withdraw_soon(early)
+        if giving_up is not None:
+            await asyncio.wait([giving_up])
+
+    def withdraw_soon(self, early: EarlyTurn) -> Task | None:
+        """`withdraw`, in the background; the task doing it, or None if nothing is to do."""
+        if early.taken or early.withdrawn or early.begin is None:
+            return None
+        early.withdrawn = True
+        return self._in_background(self._give_up(early.begin))
+
+    async def _give_up(self, begin: asyncio.Task[PgTurn]) -> None:
+        begin.cancel()  # a wait for the locks is cancelled in the server too
+        await asyncio.wait([begin])
+        if not begin.cancelled() and begin.exception() is None:
+            await self.rollback(begin.result())  # it had the locks already
+
+    def _in_background(self, work: Coroutine[Any, Any, Any]) -> Task:
+        task = asyncio.get_running_loop().create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self._background_done)
+        return task
+
+    def _background_done(self, task: Task) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.debug("keyserial: fair mode's background work failed: %r", error)
+
+    async def _take_up(
+        self, early: EarlyTurn, deadline: float | None, loop: asyncio.AbstractEventLoop
+    ) -> PgTurn:
+        """The turn ``early`` began, once it holds its locks, within ``deadline``.
+
+        Its wait in the server has no timeout of its own (the call's wait in this process
+        is bounded by the deadline too, and two timers racing could cancel the statement
+        twice): past the deadline, or cancelled, the call withdraws it.
+        """
+        begin = early.begin
+        assert begin is not None
+        try:
+            if deadline is None:
+                await asyncio.wait([begin])
+            else:
+                await asyncio.wait([begin], timeout=max(0.0, deadline - loop.time()))
+        except BaseException:
+            await self.withdraw(early)
+            raise
+        if not begin.done():
+            await self.withdraw(early)
+            raise TimeoutError(f"timed out waiting for the turn of {_naming(early.keys)}")
+        early.taken = True
+        return begin.result()
+
+    async def settle(self) -> None:
+        """Wait for this loop's background work of fair mode (turns given up being rolled
+        back), at most a lease."""
+        loop = asyncio.get_running_loop()
+        pending = [task for task in self.background if task.get_loop() is loop]
+        if pending:
+            await asyncio.wait(pending, timeout=self.lease)
+
     async def enter(
-        self, task: Task, keys: Mapping[int, Hashable], deadline: float | None
+        self,
+        task: Task,
+        keys: Mapping[int, Hashable],
+        deadline: float | None,
+        early: EarlyTurn | None = None,
     ) -> tuple[PgTurn, SessionKeeper | None]:
-        """``task``'s turn of ``keys``, and its keeper (None: it runs inside an outer turn)."""
+        """``task``'s turn of ``keys``, and its keeper (None: it runs inside an outer turn).
+
+        ``early``: the turn `register` began for this call (fair mode); it is taken up.
+        """
         loop = asyncio.get_running_loop()
         outer = self.held.get(task)
         if outer is not None:
+            if early is not None:
+                await self.withdraw(early)
             missing = {key: name for key, name in keys.items() if key not in outer.keys}
             if not missing:  # re-entry: the outer turn holds every key
                 return outer, None
             fence = await self.extend(outer, missing, deadline, loop)
             return PgTurn(outer.connection, fence, outer.keys), None  # commits with the outer
-        since = loop.time()  # before the turn's first query: its idle timer starts later
-        turn = await self.begin(keys, deadline, loop)
+        if early is not None and early.begin is not None:
+            turn = await self._take_up(early, deadline, loop)
+            since = early.since
+        else:
+            since = loop.time()  # before the turn's first query: its idle timer starts later
+            turn = await self.begin(keys, deadline, loop)
         self.held[task] = turn
         return turn, SessionKeeper(turn.connection, self.lease, since)
 
