@@ -19,10 +19,16 @@ out agree with the server's: a process's requests for a key are queued in its ca
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable, Iterable, Mapping
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
 from typing import Any
 
+from psycopg_pool import AsyncConnectionPool
+
+from ._errors import naming
 from ._turn import PgTurn
+
+logger = logging.getLogger("keyserial")
 
 Task = asyncio.Task[Any]
 
@@ -92,3 +98,144 @@ class EarlyTurn:
         self.mark_queued(self.queued)
         if self.probe is not None:
             self.probe.cancel()
+
+
+class EarlyTurns:
+    """Fair mode's turns of one queue: begun at registration, taken up or withdrawn.
+
+    It alone writes ``latest`` (the latest call to ask for each lock) and ``background``.
+    ``begin`` begins a turn's transaction (``PostgresTurns.begin`` without a deadline);
+    ``rollback`` ends one without keeping anything.
+    """
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        lease: float,
+        begin: Callable[[EarlyTurn], Awaitable[PgTurn]],
+        rollback: Callable[[PgTurn], Awaitable[None]],
+    ) -> None:
+        self.pool = pool
+        self.lease = lease
+        self.begin = begin
+        self.rollback = rollback
+        #: lock id -> the latest call of this process to ask for it.
+        self.latest: dict[int, EarlyTurn] = {}
+        #: Turns given up and being rolled back, and probes, running on their own.
+        self.background: set[Task] = set()
+
+    def register(self, keys: Mapping[int, Hashable]) -> EarlyTurn:
+        """Begin the turn of a call registering now: its locks are asked for at once, each
+        after this process's earlier requests for it are queued in the server.
+
+        The call takes it up with `take_up` when its turn in this process comes, or gives it
+        up with `withdraw`; one of the two must follow.
+        """
+        early = EarlyTurn(keys)
+        before: list[asyncio.Future[None]] = []
+        for lock in keys:
+            previous = self.latest.get(lock)
+            if previous is not None and not previous.queued[lock].done():
+                before.append(previous.queued[lock])
+                previous.watched = True
+                self.probe_if_watched(previous)
+            self.latest[lock] = early
+        early.begin = asyncio.get_running_loop().create_task(self._begin_early(early, before))
+        return early
+
+    async def _begin_early(self, early: EarlyTurn, before: list[asyncio.Future[None]]) -> PgTurn:
+        try:
+            if before:
+                await asyncio.wait(before)  # waits without cancelling them
+            return await self.begin(early)
+        finally:
+            early.release_all()
+            for lock in early.keys:
+                if self.latest.get(lock) is early:
+                    del self.latest[lock]
+
+    def probe_if_watched(self, early: EarlyTurn) -> None:
+        """Look for ``early``'s requests in ``pg_locks`` once it has a connection and a
+        later call waits for them."""
+        if early.watched and early.pid is not None and early.probe is None and early.pending():
+            early.probe = self._in_background(self._probe(early))
+
+    async def _probe(self, early: EarlyTurn) -> None:
+        """Look in ``pg_locks`` until each of ``early``'s requests is seen queued (or over)."""
+        wanted = {lock_parts(lock): lock for lock in early.keys}
+        while early.pending():
+            async with self.pool.connection() as probe:
+                cursor = await probe.execute(WAITING_OR_HELD, (early.pid,))
+                seen = {(int(high), int(low)) for high, low in await cursor.fetchall()}
+            early.mark_queued(wanted[parts] for parts in seen if parts in wanted)
+            if early.pending():
+                await asyncio.sleep(PROBE_INTERVAL)
+
+    async def withdraw(self, early: EarlyTurn) -> None:
+        """The call of ``early`` ended without taking it up: stop its wait in the server, or
+        roll back its transaction if it already holds the locks; return once its connection
+        is back in the pool, as a call that waited itself would.
+
+        Cancelled meanwhile, the caller goes on at once and the rest happens in the
+        background (`settle` waits for it).
+        """
+        giving_up = self.withdraw_soon(early)
+        if giving_up is not None:
+            await asyncio.wait([giving_up])
+
+    def withdraw_soon(self, early: EarlyTurn) -> Task | None:
+        """`withdraw`, in the background; the task doing it, or None if nothing is to do."""
+        if early.taken or early.withdrawn or early.begin is None:
+            return None
+        early.withdrawn = True
+        return self._in_background(self._give_up(early.begin))
+
+    async def _give_up(self, begin: asyncio.Task[PgTurn]) -> None:
+        begin.cancel()  # a wait for the locks is cancelled in the server too
+        await asyncio.wait([begin])
+        if not begin.cancelled() and begin.exception() is None:
+            await self.rollback(begin.result())  # it had the locks already
+
+    def _in_background(self, work: Coroutine[Any, Any, Any]) -> Task:
+        task = asyncio.get_running_loop().create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self._background_done)
+        return task
+
+    def _background_done(self, task: Task) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.debug("keyserial: fair mode's background work failed: %r", error)
+
+    async def take_up(
+        self, early: EarlyTurn, deadline: float | None, loop: asyncio.AbstractEventLoop
+    ) -> PgTurn:
+        """The turn ``early`` began, once it holds its locks, within ``deadline``.
+
+        Its wait in the server has no timeout of its own (the call's wait in this process
+        is bounded by the deadline too, and two timers racing could cancel the statement
+        twice): past the deadline, or cancelled, the call withdraws it.
+        """
+        begin = early.begin
+        assert begin is not None
+        try:
+            if deadline is None:
+                await asyncio.wait([begin])
+            else:
+                await asyncio.wait([begin], timeout=max(0.0, deadline - loop.time()))
+        except BaseException:
+            await self.withdraw(early)
+            raise
+        if not begin.done():
+            await self.withdraw(early)
+            raise TimeoutError(f"timed out waiting for the turn of {naming(early.keys)}")
+        early.taken = True
+        return begin.result()
+
+    async def settle(self) -> None:
+        """Wait for this loop's background work of fair mode (turns given up being rolled
+        back), at most a lease."""
+        loop = asyncio.get_running_loop()
+        pending = [task for task in self.background if task.get_loop() is loop]
+        if pending:
+            await asyncio.wait(pending, timeout=self.lease)

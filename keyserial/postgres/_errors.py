@@ -21,6 +21,10 @@ queue; both name the caller's keys.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
+
+from .._errors import safe_repr
+
 
 class PostgresError(Exception):
     """The base of the errors the PostgreSQL backend raises of its own.
@@ -129,3 +133,11 @@ class SetupRequired(PostgresError, RuntimeError):
 
         ```
     """
+
+
+def naming(keys: Mapping[int, Hashable]) -> str:
+    """``key 'a'`` or ``keys ['a', 'b']``: the caller's keys, as errors name them."""
+    names = list(keys.values())
+    if len(names) == 1:
+        return f"key {safe_repr(names[0])}"
+    return f"keys {safe_repr(names)}"

@@ -56,12 +56,12 @@ class PostgresLock:
         task: Task = asyncio.current_task()  # type: ignore[assignment]
         turns = self._turns
         # Fair mode: the block's transaction asks for its locks as it registers (see _early).
-        early = turns.register(self._keys) if turns.fair and task not in turns.held else None
+        early = turns.early.register(self._keys) if turns.fair and task not in turns.held else None
         try:
             await self._local.__aenter__()
         except BaseException:
             if early is not None:
-                await turns.withdraw(early)
+                await turns.early.withdraw(early)
             raise
         try:
             turn, keeper = await turns.enter(task, self._keys, deadline, early)

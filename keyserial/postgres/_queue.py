@@ -146,7 +146,7 @@ class PostgresKeyedQueue:
         """Fair mode: this call's turn, begun now; None by default or inside a turn."""
         if not self._turns.fair or (task is not None and task in self._turns.held):
             return None
-        return self._turns.register(ids)
+        return self._turns.early.register(ids)
 
     def _ids(self, keys: Iterable[Hashable]) -> dict[int, Hashable]:
         """Each key's advisory-lock id, mapped to the key (which errors name)."""
@@ -224,7 +224,7 @@ class PostgresKeyedQueue:
             return await local.run(key, self._turn, ids, fn, args, kwargs, deadline, early)
         finally:
             if early is not None:
-                await self._turns.withdraw(early)  # nothing to do once the call took it up
+                await self._turns.early.withdraw(early)  # nothing to do once the call took it up
 
     call = deprecated_call
 
@@ -254,11 +254,11 @@ class PostgresKeyedQueue:
             task = local.submit(key, self._turn, ids, fn, args, kwargs, deadline, early)
         except BaseException:
             if early is not None:
-                self._turns.withdraw_soon(early)
+                self._turns.early.withdraw_soon(early)
             raise
         if early is not None:
             turn = early
-            task.add_done_callback(lambda _: self._turns.withdraw_soon(turn))
+            task.add_done_callback(lambda _: self._turns.early.withdraw_soon(turn))
         return task
 
     def with_options(self, *, timeout: float | None = None) -> MultiKeyWaitOptions:
@@ -306,7 +306,7 @@ class PostgresKeyedQueue:
             )
         finally:
             if early is not None:
-                await self._turns.withdraw(early)
+                await self._turns.early.withdraw(early)
 
     def lock(self, key: Hashable, timeout: float | None = None) -> KeyLock:
         """Hold ``key``'s turn, and its transaction, for the body of an ``async with`` block.
@@ -338,7 +338,7 @@ class PostgresKeyedQueue:
     async def aclose(self) -> None:
         """Refuse new work here and wait for the registered work (the pool stays open)."""
         await self._local.aclose()
-        await self._turns.settle()
+        await self._turns.early.settle()
 
 
 def _turn_fence(frame: Mapping[str, Any]) -> int | None:

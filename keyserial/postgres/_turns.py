@@ -23,14 +23,15 @@ from psycopg import AsyncConnection, sql
 from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from .._errors import DeadlockError, safe_repr
-from ._early import PROBE_INTERVAL, WAITING_OR_HELD, EarlyTurn, lock_parts
+from .._errors import DeadlockError
+from ._early import EarlyTurn, EarlyTurns
 from ._errors import (
     CommitInDoubt,
     LeaseExpired,
     PoolExhausted,
     PostgresUnavailable,
     TurnRolledBack,
+    naming,
 )
 from ._setup import ensure_sequence, sequence
 from ._turn import PgTurn, SessionKeeper
@@ -106,10 +107,8 @@ class PostgresTurns:
         self.next_fence = sql.SQL("SELECT nextval({})").format(
             sql.Literal(self.sequence.as_string(None))
         )
-        #: Fair mode: lock id -> the latest call of this process to ask for it (see _early).
-        self.latest: dict[int, EarlyTurn] = {}
-        #: Fair mode: turns given up and rolled back, and probes, running on their own.
-        self.background: set[Task] = set()
+        #: Fair mode's turns begun at registration (see _early).
+        self.early = EarlyTurns(pool, lease, self._begin_early, self.rollback)
 
     async def begin(
         self,
@@ -128,18 +127,18 @@ class PostgresTurns:
         """
         wait = None if deadline is None else deadline - loop.time()
         if wait is not None and wait <= 0:
-            raise TimeoutError(f"timed out waiting for the turn of {_naming(keys)}")
+            raise TimeoutError(f"timed out waiting for the turn of {naming(keys)}")
         try:
             connection = await self.pool.getconn(timeout=wait)
         except PoolTimeout as exc:
             if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError(
-                    f"timed out waiting for a connection for the turn of {_naming(keys)}"
+                    f"timed out waiting for a connection for the turn of {naming(keys)}"
                 ) from exc
             unreachable = await self._unreachable()
             if unreachable is None:
                 raise PoolExhausted(
-                    f"no connection for the turn of {_naming(keys)}: every connection of the "
+                    f"no connection for the turn of {naming(keys)}: every connection of the "
                     f"pool (max_size={self.pool.max_size}) stayed in use for its timeout "
                     f"({self.pool.timeout:g} s); a process holds one per "
                     f"{'call' if self.fair else 'key'} it runs or waits for in the database: "
@@ -151,7 +150,7 @@ class PostgresTurns:
         if early is not None:
             early.pid = connection.info.backend_pid
             early.since = loop.time()
-            self._probe_if_watched(early)
+            self.early.probe_if_watched(early)
         try:
             if not self.table_ready:
                 await ensure_sequence(connection, self.table, self.schema)
@@ -203,7 +202,7 @@ class PostgresTurns:
         if deadline is not None:
             left = deadline - loop.time()
             if left <= 0:
-                raise TimeoutError(f"timed out waiting for the turn of {_naming(keys)}")
+                raise TimeoutError(f"timed out waiting for the turn of {naming(keys)}")
             lock_timeout = _milliseconds(left)
         try:
             if begin:
@@ -215,11 +214,11 @@ class PostgresTurns:
             statements = self._lock_statements(connection, keys, lock_timeout, begin)
             first = await _cancelled_once(statements)
         except psycopg.errors.LockNotAvailable as exc:
-            raise TimeoutError(f"timed out waiting for the turn of {_naming(keys)}") from exc
+            raise TimeoutError(f"timed out waiting for the turn of {naming(keys)}") from exc
         except psycopg.errors.DeadlockDetected as exc:
             raise DeadlockError(
                 f"deadlock: PostgreSQL broke a cycle of transactions waiting for each other, "
-                f"this one waiting for {_naming(keys)}",
+                f"this one waiting for {naming(keys)}",
                 keys=list(keys.values()),
                 tasks=[],
             ) from exc
@@ -329,122 +328,9 @@ class PostgresTurns:
         with contextlib.suppress(Exception):
             await self.pool.putconn(connection)
 
-    # -- fair mode: a transaction per call, begun when the call registers (see _early) -------
-
-    def register(self, keys: Mapping[int, Hashable]) -> EarlyTurn:
-        """Begin the turn of a call registering now: its locks are asked for at once, each
-        after this process's earlier requests for it are queued in the server.
-
-        The call takes it up with `enter` when its turn in this process comes, or gives it
-        up with `withdraw`; one of the two must follow.
-        """
-        early = EarlyTurn(keys)
-        before: list[asyncio.Future[None]] = []
-        for lock in keys:
-            previous = self.latest.get(lock)
-            if previous is not None and not previous.queued[lock].done():
-                before.append(previous.queued[lock])
-                previous.watched = True
-                self._probe_if_watched(previous)
-            self.latest[lock] = early
-        early.begin = asyncio.get_running_loop().create_task(self._begin_early(early, before))
-        return early
-
-    async def _begin_early(self, early: EarlyTurn, before: list[asyncio.Future[None]]) -> PgTurn:
-        try:
-            if before:
-                await asyncio.wait(before)  # waits without cancelling them
-            # No deadline: the call bounds the wait (see _take_up).
-            return await self.begin(early.keys, None, asyncio.get_running_loop(), early)
-        finally:
-            early.release_all()
-            for lock in early.keys:
-                if self.latest.get(lock) is early:
-                    del self.latest[lock]
-
-    def _probe_if_watched(self, early: EarlyTurn) -> None:
-        if early.watched and early.pid is not None and early.probe is None and early.pending():
-            early.probe = self._in_background(self._probe(early))
-
-    async def _probe(self, early: EarlyTurn) -> None:
-        """Look in ``pg_locks`` until each of ``early``'s requests is seen queued (or over)."""
-        wanted = {lock_parts(lock): lock for lock in early.keys}
-        while early.pending():
-            async with self.pool.connection() as probe:
-                cursor = await probe.execute(WAITING_OR_HELD, (early.pid,))
-                seen = {(int(high), int(low)) for high, low in await cursor.fetchall()}
-            early.mark_queued(wanted[parts] for parts in seen if parts in wanted)
-            if early.pending():
-                await asyncio.sleep(PROBE_INTERVAL)
-
-    async def withdraw(self, early: EarlyTurn) -> None:
-        """The call of ``early`` ended without taking it up: stop its wait in the server, or
-        roll back its transaction if it already holds the locks; return once its connection
-        is back in the pool, as a call that waited itself would.
-
-        Cancelled meanwhile, the caller goes on at once and the rest happens in the
-        background (`settle` waits for it).
-        """
-        giving_up = self.withdraw_soon(early)
-        if giving_up is not None:
-            await asyncio.wait([giving_up])
-
-    def withdraw_soon(self, early: EarlyTurn) -> Task | None:
-        """`withdraw`, in the background; the task doing it, or None if nothing is to do."""
-        if early.taken or early.withdrawn or early.begin is None:
-            return None
-        early.withdrawn = True
-        return self._in_background(self._give_up(early.begin))
-
-    async def _give_up(self, begin: asyncio.Task[PgTurn]) -> None:
-        begin.cancel()  # a wait for the locks is cancelled in the server too
-        await asyncio.wait([begin])
-        if not begin.cancelled() and begin.exception() is None:
-            await self.rollback(begin.result())  # it had the locks already
-
-    def _in_background(self, work: Coroutine[Any, Any, Any]) -> Task:
-        task = asyncio.get_running_loop().create_task(work)
-        self.background.add(task)
-        task.add_done_callback(self._background_done)
-        return task
-
-    def _background_done(self, task: Task) -> None:
-        self.background.discard(task)
-        if not task.cancelled() and (error := task.exception()) is not None:
-            logger.debug("keyserial: fair mode's background work failed: %r", error)
-
-    async def _take_up(
-        self, early: EarlyTurn, deadline: float | None, loop: asyncio.AbstractEventLoop
-    ) -> PgTurn:
-        """The turn ``early`` began, once it holds its locks, within ``deadline``.
-
-        Its wait in the server has no timeout of its own (the call's wait in this process
-        is bounded by the deadline too, and two timers racing could cancel the statement
-        twice): past the deadline, or cancelled, the call withdraws it.
-        """
-        begin = early.begin
-        assert begin is not None
-        try:
-            if deadline is None:
-                await asyncio.wait([begin])
-            else:
-                await asyncio.wait([begin], timeout=max(0.0, deadline - loop.time()))
-        except BaseException:
-            await self.withdraw(early)
-            raise
-        if not begin.done():
-            await self.withdraw(early)
-            raise TimeoutError(f"timed out waiting for the turn of {_naming(early.keys)}")
-        early.taken = True
-        return begin.result()
-
-    async def settle(self) -> None:
-        """Wait for this loop's background work of fair mode (turns given up being rolled
-        back), at most a lease."""
-        loop = asyncio.get_running_loop()
-        pending = [task for task in self.background if task.get_loop() is loop]
-        if pending:
-            await asyncio.wait(pending, timeout=self.lease)
+    async def _begin_early(self, early: EarlyTurn) -> PgTurn:
+        # No deadline: the call bounds the wait (see EarlyTurns.take_up).
+        return await self.begin(early.keys, None, asyncio.get_running_loop(), early)
 
     async def enter(
         self,
@@ -461,14 +347,14 @@ class PostgresTurns:
         outer = self.held.get(task)
         if outer is not None:
             if early is not None:
-                await self.withdraw(early)
+                await self.early.withdraw(early)
             missing = {key: name for key, name in keys.items() if key not in outer.keys}
             if not missing:  # re-entry: the outer turn holds every key
                 return outer, None
             fence = await self.extend(outer, missing, deadline, loop)
             return PgTurn(outer.connection, fence, outer.keys), None  # commits with the outer
         if early is not None and early.begin is not None:
-            turn = await self._take_up(early, deadline, loop)
+            turn = await self.early.take_up(early, deadline, loop)
             since = early.since
         else:
             since = loop.time()  # before the turn's first query: its idle timer starts later
@@ -548,10 +434,3 @@ async def _resolved(setting: object) -> Any:
     """A pool setting's value: the pool may hold it as a function, sync or async."""
     value = setting() if callable(setting) else setting
     return await value if inspect.isawaitable(value) else value
-
-
-def _naming(keys: Mapping[int, Hashable]) -> str:
-    names = list(keys.values())
-    if len(names) == 1:
-        return f"key {safe_repr(names[0])}"
-    return f"keys {safe_repr(names)}"
