@@ -205,7 +205,7 @@ async def _waiting_on_locks(dsn: str, application: str) -> int:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         cursor = await conn.execute(
             "SELECT count(*) FROM pg_stat_activity "
-            "WHERE application_name = %s AND wait_event_type = 'Lock'",
+            "WHERE application_name = %s AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
             (application,),
         )
         row = await cursor.fetchone()

@@ -19,6 +19,7 @@ out agree with the server's: a process's requests for a key are queued in its ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
 from typing import Any
@@ -176,12 +177,19 @@ class EarlyTurns:
         roll back its transaction if it already holds the locks; return once its connection
         is back in the pool, as a call that waited itself would.
 
-        Cancelled meanwhile, the caller goes on at once and the rest happens in the
-        background (`settle` waits for it).
+        Cancelled again meanwhile, it still waits for that (a wait left on the server would
+        take the key when it comes free), and is cancelled all the same.
         """
         giving_up = self.withdraw_soon(early)
-        if giving_up is not None:
+        if giving_up is None:
+            return
+        try:
             await asyncio.wait([giving_up])
+        except asyncio.CancelledError:
+            while not giving_up.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([giving_up])
+            raise
 
     def withdraw_soon(self, early: EarlyTurn) -> Task | None:
         """`withdraw`, in the background; the task doing it, or None if nothing is to do."""
