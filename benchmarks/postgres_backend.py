@@ -43,10 +43,14 @@ from .report import environment
 
 LIBRARIES = (
     "keyserial PostgresKeyedQueue",
+    "keyserial, fair=True",
     "pg_advisory_lock recipe",
     "SELECT FOR UPDATE recipe",
     "keyserial RedisKeyedQueue",
 )
+POSTGRES = LIBRARIES[:2]
+#: Calls each process keeps queued at once in the queued hand-off run.
+QUEUED = 8
 #: The Redis server of the run (the Redis backend's column), set by main().
 redis_port_of_run = 0  # set by main(): the Redis server of the run
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -74,6 +78,7 @@ class Queues:
         from keyserial.redis import RedisKeyedQueue
 
         self.postgres = PostgresKeyedQueue(pool, namespace="bench")
+        self.postgres_fair = PostgresKeyedQueue(pool, namespace="bench", fair=True)
         self.client = redis_asyncio.Redis(port=redis_port)
         self.redis = RedisKeyedQueue(self.client, namespace="bench")
 
@@ -84,14 +89,15 @@ class Queues:
 
 async def _one(library: str, pool: AsyncConnectionPool[Any], queues: Queues, key: str) -> None:
     """One call on ``key`` that writes its row, the way ``library`` does it."""
-    if library == LIBRARIES[0]:
+    if library in POSTGRES:
 
         async def work() -> None:
             await _write(connection(), key)
 
-        await queues.postgres.run(key, work)
+        queue = queues.postgres if library == LIBRARIES[0] else queues.postgres_fair
+        await queue.run(key, work)
         return
-    if library == LIBRARIES[3]:  # the turn from Redis; the write commits on its own
+    if library == LIBRARIES[4]:  # the turn from Redis; the write commits on its own
 
         async def write_alone() -> None:
             async with pool.connection() as conn:
@@ -100,7 +106,7 @@ async def _one(library: str, pool: AsyncConnectionPool[Any], queues: Queues, key
         await queues.redis.run(key, write_alone)
         return
     async with pool.connection() as conn:
-        if library == LIBRARIES[1]:
+        if library == LIBRARIES[2]:
             await conn.set_autocommit(True)
             await conn.execute("SELECT pg_advisory_lock(%s)", (lock_id("bench", key),))
             try:
@@ -150,31 +156,43 @@ async def _uncontended(dsn: str, library: str, calls: int, trace: Path | None) -
 
 
 def _hand_off_worker(
-    dsn: str, redis_port: int, library: str, turns: int, barrier: Any, times: Any, index: int
+    dsn: str,
+    redis_port: int,
+    library: str,
+    turns: int,
+    barrier: Any,
+    times: Any,
+    index: int,
+    queued: int = 1,
 ) -> None:
     async def main() -> None:
-        async with AsyncConnectionPool(dsn, min_size=1, max_size=2, open=False) as pool:
+        # Fair mode holds a connection per waiting call.
+        size = queued + 1
+        async with AsyncConnectionPool(dsn, min_size=1, max_size=size, open=False) as pool:
             queue = Queues(pool, redis_port)
             await _one(library, pool, queue, "warm-up")
             barrier.wait()
-            for turn in range(turns):
-                times[index * turns + turn] = time.monotonic()
-                await _one(library, pool, queue, "ball")
+            for done in range(0, turns, queued):
+                batch = min(queued, turns - done)
+                for turn in range(done, done + batch):
+                    times[index * turns + turn] = time.monotonic()
+                await asyncio.gather(*(_one(library, pool, queue, "ball") for _ in range(batch)))
             times[len(times) - 1 - index] = time.monotonic()
             await queue.close()
 
     asyncio.run(main())
 
 
-def _hand_off(dsn: str, library: str, processes: int, turns: int) -> float:
-    """Turns per second, four processes taking turns on one key."""
+def _hand_off(dsn: str, library: str, processes: int, turns: int, queued: int = 1) -> float:
+    """Turns per second, four processes taking turns on one key, ``queued`` calls at a time
+    each."""
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(processes)
     shared = context.Array("d", processes * turns + processes, lock=False)
     workers = [
         context.Process(
             target=_hand_off_worker,
-            args=(dsn, redis_port_of_run, library, turns, barrier, shared, i),
+            args=(dsn, redis_port_of_run, library, turns, barrier, shared, i, queued),
         )
         for i in range(processes)
     ]
@@ -214,12 +232,15 @@ def main() -> int:
                 round_trips[library] = _count_round_trips(trace) / calls
         samples: dict[str, list[float]] = {library: [] for library in LIBRARIES}
         rates: dict[str, list[float]] = {library: [] for library in LIBRARIES}
+        queued_rates: dict[str, list[float]] = {library: [] for library in POSTGRES}
         for _ in range(repeats):
             for library in LIBRARIES:
                 seconds = asyncio.run(_uncontended(dsn, library, calls, None))
                 samples[library].append(seconds / calls)
             for library in LIBRARIES:
                 rates[library].append(_hand_off(dsn, library, processes, turns))
+            for library in POSTGRES:
+                queued_rates[library].append(_hand_off(dsn, library, processes, turns, QUEUED))
     finally:
         redis_server.terminate()
         redis_server.wait(timeout=10)
@@ -230,18 +251,30 @@ def main() -> int:
             )
     latency = {library: statistics.median(values) for library, values in samples.items()}
     throughput = {library: statistics.median(values) for library, values in rates.items()}
+    queued = {library: statistics.median(values) for library, values in queued_rates.items()}
     rows = {
         "uncontended µs/call": {n: f"{latency[n] * 1e6:,.0f}" for n in LIBRARIES},
         "round trips/call": {n: f"{round_trips[n]:.1f}" for n in LIBRARIES},
         "hand-off turns/s": {n: f"{throughput[n]:,.0f}" for n in LIBRARIES},
+        f"hand-off turns/s, {QUEUED} calls queued per process": {
+            n: f"{queued[n]:,.0f}" if n in POSTGRES else "" for n in LIBRARIES
+        },
+        "connections per waiting call": {
+            LIBRARIES[0]: "one per key and process",
+            LIBRARIES[1]: "one",
+            LIBRARIES[2]: "one",
+            LIBRARIES[3]: "one",
+            LIBRARIES[4]: "none",
+        },
         "writes in the turn's transaction": {
-            n: "yes" if n in (LIBRARIES[0], LIBRARIES[2]) else "no" for n in LIBRARIES
+            n: "yes" if n in (*POSTGRES, LIBRARIES[3]) else "no" for n in LIBRARIES
         },
         "order across processes": {
-            LIBRARIES[0]: "each process's next call, as it reaches the lock manager",
-            LIBRARIES[1]: "lock manager's order",
+            LIBRARIES[0]: "each process's next call",
+            LIBRARIES[1]: "call order",
             LIBRARIES[2]: "lock manager's order",
-            LIBRARIES[3]: "each process's next call, as it reaches Redis",
+            LIBRARIES[3]: "lock manager's order",
+            LIBRARIES[4]: "each process's next call",
         },
     }
     lines = [
@@ -263,7 +296,10 @@ def main() -> int:
         "trace of the uncontended calls (each Sync or simple Query waits for the server; the Redis "
         "backend's own two round trips to Redis are not counted); the PostgreSQL backend sends "
         "BEGIN, its settings, the lock and the fence in one round trip (one query), then the "
-        "function's statement, then COMMIT.",
+        "function's statement, then COMMIT. Fair mode ÷ default, hand-off turns/s: "
+        f"{throughput[LIBRARIES[1]] / throughput[LIBRARIES[0]]:.2f} with one call per process "
+        f"at a time, {queued[LIBRARIES[1]] / queued[LIBRARIES[0]]:.2f} with {QUEUED} queued per "
+        "process (each of them then waits in the server, on a connection of its own).",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

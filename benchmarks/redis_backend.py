@@ -36,7 +36,16 @@ from keyserial.redis import RedisKeyedQueue
 
 from .report import environment
 
-LIBRARIES = ("keyserial RedisKeyedQueue", "redis-py Lock (sleep=1 ms)", "python-redis-lock")
+LIBRARIES = (
+    "keyserial RedisKeyedQueue",
+    "keyserial, fair=True",
+    "redis-py Lock (sleep=1 ms)",
+    "python-redis-lock",
+)
+KEYSERIAL = LIBRARIES[:2]
+OTHERS = LIBRARIES[2:]
+#: Calls each process keeps queued at once in the queued hand-off run.
+QUEUED = 8
 
 
 def start_server() -> tuple[subprocess.Popen[bytes], int, str]:
@@ -90,15 +99,17 @@ async def _uncontended(library: str, port: int, calls: int) -> float:
     """Seconds for ``calls`` sequential uncontended turns on distinct keys."""
     async_client = redis_asyncio.Redis(port=port)
     sync_client = redis.Redis(port=port)
-    queue = RedisKeyedQueue(async_client, namespace="bench", lease=10.0)
+    queue = RedisKeyedQueue(
+        async_client, namespace="bench", lease=10.0, fair=library == LIBRARIES[1]
+    )
 
     async def nothing() -> None:
         return None
 
     async def one(i: int) -> None:
-        if library == LIBRARIES[0]:
+        if library in KEYSERIAL:
             await queue.run(f"u{i}", nothing)
-        elif library == LIBRARIES[1]:
+        elif library == LIBRARIES[2]:
             lock: Any = async_client.lock(f"u{i}", timeout=10, sleep=0.001)
             await lock.acquire()
             await lock.release()
@@ -118,9 +129,16 @@ async def _uncontended(library: str, port: int, calls: int) -> float:
 
 
 def _hand_off_worker(
-    library: str, port: int, turns: int, barrier: object, times: object, index: int
+    library: str,
+    port: int,
+    turns: int,
+    barrier: object,
+    times: object,
+    index: int,
+    queued: int = 1,
 ) -> None:
-    """Take ``turns`` turns on one key; write their start times and the end of the last.
+    """Take ``turns`` turns on one key, ``queued`` calls at a time; write their start times
+    and the end of the last.
 
     ``times`` is shared: worker i's turn starts go to ``[i * turns, (i + 1) * turns)``,
     and the workers' ends to the last slots.
@@ -129,7 +147,9 @@ def _hand_off_worker(
     async def main() -> None:
         async_client = redis_asyncio.Redis(port=port)
         sync_client = redis.Redis(port=port)
-        queue = RedisKeyedQueue(async_client, namespace="bench", lease=10.0)
+        queue = RedisKeyedQueue(
+            async_client, namespace="bench", lease=10.0, fair=library == LIBRARIES[1]
+        )
         slot = index * turns
 
         async def turn() -> None:
@@ -143,10 +163,11 @@ def _hand_off_worker(
 
         await queue.run("warm-up", warm_up)
         barrier.wait()  # type: ignore[attr-defined]
-        for _ in range(turns):
-            if library == LIBRARIES[0]:
-                await queue.run("ball", turn)
-            elif library == LIBRARIES[1]:
+        for done in range(0, turns, queued):
+            if library in KEYSERIAL:
+                batch = min(queued, turns - done)
+                await asyncio.gather(*(queue.run("ball", turn) for _ in range(batch)))
+            elif library == LIBRARIES[2]:
                 lock: Any = async_client.lock("ball-lock", timeout=10, sleep=0.001)
                 await lock.acquire()
                 await turn()
@@ -163,7 +184,9 @@ def _hand_off_worker(
     asyncio.run(main())
 
 
-def _hand_off(library: str, port: int, processes: int, turns: int) -> tuple[float, float]:
+def _hand_off(
+    library: str, port: int, processes: int, turns: int, queued: int = 1
+) -> tuple[float, float]:
     """Seconds from the first turn's start to the last turn's end, and the share of turns
     that went to another process than the turn before.
 
@@ -175,7 +198,8 @@ def _hand_off(library: str, port: int, processes: int, turns: int) -> tuple[floa
     shared = context.Array("d", processes * turns + processes, lock=False)
     workers = [
         context.Process(
-            target=_hand_off_worker, args=(library, port, turns, barrier, shared, index)
+            target=_hand_off_worker,
+            args=(library, port, turns, barrier, shared, index, queued),
         )
         for index in range(processes)
     ]
@@ -229,12 +253,20 @@ def main() -> int:
                 switched[library].append(share)
         throughput = {library: statistics.median(values) for library, values in rates.items()}
         moved = {library: statistics.median(values) for library, values in switched.items()}
+        # The same, with every process keeping QUEUED calls waiting: in the default mode one
+        # of them waits in Redis per process, in fair mode every one holds a ticket there.
+        queued_rates: dict[str, list[float]] = {library: [] for library in KEYSERIAL}
+        for _ in range(repeats):
+            for library in KEYSERIAL:
+                elapsed, _ = _hand_off(library, port, processes, turns, QUEUED)
+                queued_rates[library].append(processes * turns / elapsed)
+        queued_throughput = {name: statistics.median(v) for name, v in queued_rates.items()}
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=10)
         shutil.rmtree(directory, ignore_errors=True)
 
-    best_other = max(throughput[name] for name in LIBRARIES[1:])
+    best_other = max(throughput[name] for name in OTHERS)
     lines = [
         f"Environment: {environment()}, redis-server on loopback",
         "",  # separate paragraphs in Markdown
@@ -253,9 +285,16 @@ def main() -> int:
         "hand-off turns/s": {n: f"{throughput[n]:,.0f}" for n in LIBRARIES},
         "turns to another process": {n: f"{moved[n]:.0%}" for n in LIBRARIES},
         "commands/hand-off": {n: f"{hand_off_commands[n]:.1f}" for n in LIBRARIES},
-        "FIFO tickets per process, fencing": {
-            n: "yes" if n == LIBRARIES[0] else "no" for n in LIBRARIES
+        f"hand-off turns/s, {QUEUED} calls queued per process": {
+            n: f"{queued_throughput[n]:,.0f}" if n in KEYSERIAL else "" for n in LIBRARIES
         },
+        "order across processes": {
+            LIBRARIES[0]: "each process's next call",
+            LIBRARIES[1]: "call order",
+            LIBRARIES[2]: "none",
+            LIBRARIES[3]: "none",
+        },
+        "fencing tokens": {n: "yes" if n in KEYSERIAL else "no" for n in LIBRARIES},
     }
     for measure, values in rows.items():
         lines.append(f"| {measure} | " + " | ".join(values[n] for n in LIBRARIES) + " |")
@@ -266,6 +305,13 @@ def main() -> int:
         "excluded), including each client's connection set-up spread over the calls; commands per "
         "hand-off count every command the four processes sent during an extra, untimed hand-off "
         "run made while MONITOR runs, polling included."
+    )
+    fair_cost = throughput[LIBRARIES[1]] / throughput[LIBRARIES[0]]
+    fair_queued = queued_throughput[LIBRARIES[1]] / queued_throughput[LIBRARIES[0]]
+    lines.append(
+        f"Fair mode ÷ default, hand-off turns/s: {fair_cost:.2f} with one call per process at "
+        f"a time, {fair_queued:.2f} with {QUEUED} queued per process (every one of them "
+        "holds a ticket in Redis, and keeps it alive while it waits)."
     )
     lines.append(
         f"Hand-off throughput of keyserial ÷ the best other: {ratio:.2f} "

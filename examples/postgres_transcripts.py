@@ -2,18 +2,21 @@
 
 Each segment gets three updates — partial, revision, final — 50 ms apart, each sent to one
 of four worker processes at random. A worker takes a while to process an update (the
-partial longest), then writes it. Four ways to run the workers:
+partial longest), then writes it. Five ways to run the workers:
 
 * ``unserialized``: a slow partial lands after the final: the segment ends stale;
 * ``revision check``: the write is conditional (``WHERE revision < %s``): no stale rows,
   but every late write is refused after its work was done;
 * ``@serialized``: ``PostgresKeyedQueue`` runs one update per segment at a time across
-  the processes, in the order the calls reach the database, and each write commits with
-  its turn. A call waiting behind another call of its own process reaches the database
-  only when its turn in the process comes, so a later update sent to another process can
-  overtake it: a few segments still end stale;
-* ``@serialized + check``: both, the check as belt and braces: no stale rows, and only
-  the few overtaken writes refused.
+  the processes, and each write commits with its turn. In the default mode a call
+  waiting behind another call of its own process reaches the database only when its
+  turn in the process comes, so a later update sent to another process can overtake it:
+  a few segments still end stale;
+* ``@serialized, fair``: the same with ``fair=True``: every call waits in the database
+  from when it is made, so the updates run in the order they were sent: no stale rows,
+  nothing refused, no check needed;
+* ``@serialized + check``: the default mode with the check as belt and braces: no stale
+  rows, and only the few overtaken writes refused.
 
 Needs a PostgreSQL server (by default the local one; ``--dsn`` or KEYSERIAL_TEST_POSTGRES)
 and the ``postgres`` extra: pip install ".[postgres]".
@@ -41,7 +44,13 @@ from keyserial import serialized
 from keyserial.postgres import PostgresKeyedQueue, connection
 
 STAGES = ("partial", "revision", "final")
-MODES = ("unserialized", "revision check", "@serialized", "@serialized + check")
+MODES = (
+    "unserialized",
+    "revision check",
+    "@serialized",
+    "@serialized, fair",
+    "@serialized + check",
+)
 WORKERS = 4
 
 Update = tuple[str, int, str, float]  # segment, revision, stage, processing seconds
@@ -60,12 +69,13 @@ def updates(segments: int, seed: int) -> list[tuple[float, Update]]:
 
 
 async def _work(dsn: str, mode: str, inbox: Any, ready: Any) -> None:
-    # Enough connections for every segment in flight: a call waiting for a connection has not
-    # reached the server's lock queue yet, and the order across processes is that queue's.
+    # Enough connections for every update in flight (fair mode holds one per waiting call): a
+    # call waiting for a connection has not reached the server's lock queue yet, and the
+    # order across processes is that queue's.
     async with AsyncConnectionPool(dsn, min_size=20, max_size=20, open=False) as pool:
         await pool.wait()  # every connection open before the first update arrives
         await asyncio.to_thread(ready.wait)
-        queue = PostgresKeyedQueue(pool, namespace="transcripts")
+        queue = PostgresKeyedQueue(pool, namespace="transcripts", fair=mode.endswith("fair"))
 
         async def write(conn: psycopg.AsyncConnection[Any], update: Update) -> None:
             seg_id, revision, stage, _ = update

@@ -171,7 +171,7 @@ async def test_fastapi_app_closes_its_queue_on_shutdown() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_postgres_transcripts_stale_rows_without_keyserial_none_with_the_check(
+def test_postgres_transcripts_stale_rows_without_keyserial_none_with_fair_mode_or_the_check(
     postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Imported under its own name: its worker processes (spawned) import it again by name.
@@ -182,6 +182,8 @@ def test_postgres_transcripts_stale_rows_without_keyserial_none_with_the_check(
     assert results["revision check"]["stale"] == 0
     assert results["revision check"]["refused"] > 0
     assert results["@serialized"]["refused"] == 0  # no check: nothing refused, nothing wasted
+    # Fair mode runs every segment's updates in the order they were sent: none stale.
+    assert results["@serialized, fair"] == {"stale": 0, "refused": 0}
     # Serialized, the check only refuses the few writes overtaken across processes.
     assert results["@serialized + check"]["stale"] == 0
     assert results["@serialized + check"]["refused"] < results["revision check"]["refused"]

@@ -276,7 +276,9 @@ class RedisTurns:
         try:
             if not ticket.reply.done():  # still being sent: wait, as a request is bounded
                 remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                await asyncio.wait_for(asyncio.shield(ticket.reply), remaining)
+                await asyncio.wait([ticket.reply], timeout=remaining)
+                if not ticket.reply.done():
+                    raise TimeoutError(f"timed out waiting for the turn of {ticket.base!r}")
             failed = ticket.reply.cancelled() or ticket.reply.exception() is not None
         except BaseException:
             ticket.taken = False
