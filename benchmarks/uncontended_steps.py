@@ -13,6 +13,8 @@ runs that each do one step more than the one before, with the signature of ``run
 * the checks: the same, with the checks ``run`` makes on the way (a closed share, tested
   where the share is found, and a call outside a task) and at the turn's end (a turn
   that needs attention or was contended);
+* a record of the turn: the same, also recording each running turn by its task (key,
+  function, outer turn), the cheapest record that would replace reading ``run``'s frame;
 * keyserial's ``run`` itself.
 
 The three built-up runs never queue: a busy key raises. They exist to be timed here. Each
@@ -143,11 +145,64 @@ class ThroughLoopShareChecked(ThroughLoopShare):
                 share.release(key, held)  # type: ignore[arg-type]
 
 
+class WithTurnRecord(ThroughLoopShare):
+    """``ThroughLoopShareChecked`` that also records each running turn by its task: the
+    cheapest record that would let ``current_fence()``, the deadlock check and their
+    messages find a task's innermost turn, its key and its function without reading the
+    frames of ``run`` (a tuple per turn, chained to the task's outer turn, in a dict)."""
+
+    __slots__ = ("turns",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turns: dict[asyncio.Task[Any], tuple[Any, ...]] = {}
+
+    async def run(
+        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        share = self._shares.cached
+        loop = share.thread_loop
+        if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
+            loop = get_running_loop()
+            if share.open_loop is not loop:
+                share = self._shares.of(loop)
+                if share.closed:
+                    raise RuntimeError("closed")
+        task = task_of(loop)
+        if task is None:
+            raise RuntimeError("not in a task")
+        holders = share.holders
+        holder = holders[key] if key in holders else None  # noqa: SIM401  # as run() reads it
+        if holder is not None:
+            raise RuntimeError(f"key {key!r} is busy: this run does not queue")
+        holders[key] = task
+        turns = self.turns
+        outer = turns.get(task)
+        turns[task] = (key, fn, outer)
+        try:
+            if kwargs:
+                return await fn(*args, **kwargs)
+            if args:
+                return await fn(*args)  # type: ignore[call-arg]
+            return await fn()  # type: ignore[call-arg]
+        finally:
+            if outer is None:
+                del turns[task]
+            else:
+                turns[task] = outer
+            held = holders.pop(key)
+            if share.attention:
+                share.end_turn(key, held, task)
+            elif held is not task:
+                share.release(key, held)  # type: ignore[arg-type]
+
+
 #: The keyed runs, in the order of their steps; the last is keyserial's.
 STEPS: dict[str, Callable[[], Any]] = {
     "the key alone": KeyAlone,
     "+ the loop's share": ThroughLoopShare,
     "+ the checks": ThroughLoopShareChecked,
+    "+ a record of the turn": WithTurnRecord,
     "keyserial's run": KeyedSerialQueue,
 }
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.uncontended_steps import STEPS, report, seconds_per_run
+from benchmarks.uncontended_steps import STEPS, WithTurnRecord, report, seconds_per_run
 
 
 async def _pair(a: int, b: int = 0, *, c: int = 0) -> tuple[int, int, int]:
@@ -57,3 +57,25 @@ def test_the_report_has_a_row_per_variant_with_its_ratio_to_the_lock() -> None:
     rows = [line for line in table.splitlines() if line.startswith("| ") and "ns/call" not in line]
     assert [row.split(" | ")[0][2:] for row in rows] == ["one asyncio.Lock", *STEPS]
     assert rows[0].endswith("| 1.00 |")
+
+
+def test_the_turn_record_holds_the_innermost_turn_and_nothing_once_it_ends() -> None:
+    async def main() -> None:
+        queue = WithTurnRecord()
+        task = asyncio.current_task()
+        assert task is not None
+        seen: list[Any] = []
+
+        async def inner() -> None:
+            seen.append(queue.turns[task][0])
+
+        async def outer() -> None:
+            seen.append(queue.turns[task][0])
+            await queue.run("inner", inner)
+            seen.append(queue.turns[task][0])
+
+        await queue.run("outer", outer)
+        assert seen == ["outer", "inner", "outer"]
+        assert queue.turns == {}
+
+    asyncio.run(main())
