@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
+from .._background import Background
 from ._errors import naming
 from ._turn import PgTurn
-
-logger = logging.getLogger("keyserial")
 
 Task = asyncio.Task[Any]
 
@@ -123,7 +121,7 @@ class EarlyTurns:
         #: lock id -> the latest call of this process to ask for it.
         self.latest: dict[int, EarlyTurn] = {}
         #: Turns given up and being rolled back, and probes, running on their own.
-        self.background: set[Task] = set()
+        self.background = Background("fair mode's background work")
 
     def register(self, keys: Mapping[int, Hashable]) -> EarlyTurn:
         """Begin the turn of a call registering now: its locks are asked for at once, each
@@ -159,7 +157,7 @@ class EarlyTurns:
         """Look for ``early``'s requests in ``pg_locks`` once it has a connection and a
         later call waits for them."""
         if early.watched and early.pid is not None and early.probe is None and early.pending():
-            early.probe = self._in_background(self._probe(early))
+            early.probe = self.background.spawn(self._probe(early))
 
     async def _probe(self, early: EarlyTurn) -> None:
         """Look in ``pg_locks`` until each of ``early``'s requests is seen queued (or over)."""
@@ -196,24 +194,13 @@ class EarlyTurns:
         if early.taken or early.withdrawn or early.begin is None:
             return None
         early.withdrawn = True
-        return self._in_background(self._give_up(early.begin))
+        return self.background.spawn(self._give_up(early.begin))
 
     async def _give_up(self, begin: asyncio.Task[PgTurn]) -> None:
         begin.cancel()  # a wait for the locks is cancelled in the server too
         await asyncio.wait([begin])
         if not begin.cancelled() and begin.exception() is None:
             await self.rollback(begin.result())  # it had the locks already
-
-    def _in_background(self, work: Coroutine[Any, Any, Any]) -> Task:
-        task = asyncio.get_running_loop().create_task(work)
-        self.background.add(task)
-        task.add_done_callback(self._background_done)
-        return task
-
-    def _background_done(self, task: Task) -> None:
-        self.background.discard(task)
-        if not task.cancelled() and (error := task.exception()) is not None:
-            logger.debug("keyserial: fair mode's background work failed: %r", error)
 
     async def take_up(
         self, early: EarlyTurn, deadline: float | None, loop: asyncio.AbstractEventLoop
@@ -243,7 +230,4 @@ class EarlyTurns:
     async def settle(self) -> None:
         """Wait for this loop's background work of fair mode (turns given up being rolled
         back), at most a lease."""
-        loop = asyncio.get_running_loop()
-        pending = [task for task in self.background if task.get_loop() is loop]
-        if pending:
-            await asyncio.wait(pending, timeout=self.lease)
+        await self.background.wait(self.lease)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
 from typing import Any
 
 import redis.asyncio as redis_asyncio
@@ -18,6 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .._background import Background
 from .._cancels import cancel_count, withdraw_cancel
 from .._loops import drop_closed_loops
 from . import _scripts as scripts
@@ -56,7 +56,7 @@ class RedisTurns:
         self.listeners: dict[asyncio.AbstractEventLoop, GrantListener] = {}
         #: (task, encoded key) -> the turn that task holds: a call of it for that key re-enters.
         self.held: dict[tuple[Task, str], Turn] = {}
-        self.background: set[Task] = set()
+        self.background = Background("background request")
         self.policy_checked = False
         #: Fair mode: the senders of tickets still to be sent, by event loop and base name.
         self.senders: dict[tuple[asyncio.AbstractEventLoop, str], Sender] = {}
@@ -102,18 +102,6 @@ class RedisTurns:
             raise RedisUnavailable(f"Redis refused the request: {exc}") from exc
         finally:
             timer.cancel()
-
-    def in_background(self, work: Coroutine[Any, Any, Any]) -> Task:
-        """Run ``work`` on its own, kept until it ends; its failure is only logged."""
-        task = asyncio.get_running_loop().create_task(work)
-        self.background.add(task)
-        task.add_done_callback(self._background_done)
-        return task
-
-    def _background_done(self, task: Task) -> None:
-        self.background.discard(task)
-        if not task.cancelled() and (error := task.exception()) is not None:
-            logger.debug("keyserial: background release failed: %r", error)
 
     async def listener(self) -> GrantListener:
         loop = asyncio.get_running_loop()
@@ -175,7 +163,7 @@ class RedisTurns:
                 # Leave the queue, passing the turn on if it came meanwhile: in the
                 # background, so that a stalled Redis does not hold this caller too. If it
                 # cannot be sent, the ticket's heartbeat stops and Redis skips it in time.
-                self.in_background(self.leave(base, ticket))
+                self.background.spawn(self.leave(base, ticket))
                 raise
             finally:
                 listener.forget(ticket)
@@ -227,7 +215,7 @@ class RedisTurns:
         if sender is None:
             sender = self.senders[at] = Sender()
         if sender.add(ticket):
-            self.in_background(self._send_all(at, sender))
+            self.background.spawn(self._send_all(at, sender))
         return ticket
 
     async def _send_all(self, at: tuple[asyncio.AbstractEventLoop, str], sender: Sender) -> None:
@@ -249,10 +237,10 @@ class RedisTurns:
             # Its call registers anew when it takes it up. The request may still reach a
             # stalled Redis: leaving marks the ticket gone, so that it is refused then.
             listener.forget(ticket.name)
-            self.in_background(self.leave(ticket.base, ticket.name))
+            self.background.spawn(self.leave(ticket.base, ticket.name))
             raise
         if reply == "" and not (ticket.taken or ticket.withdrawn):
-            keep_alive(ticket, self.poll, self._poll_early, listener.grant, self.in_background)
+            keep_alive(ticket, self.poll, self._poll_early, listener.grant, self.background.spawn)
         return reply
 
     async def _poll_early(self, base: str, ticket: str) -> tuple[str, str]:
@@ -294,7 +282,7 @@ class RedisTurns:
                 return Turn(base, name, int(reply), ticket.asked)
             fence = await self._wait(listener, base, name, deadline)
         except BaseException:
-            self.in_background(self.leave(base, name))
+            self.background.spawn(self.leave(base, name))
             raise
         finally:
             listener.forget(name)
@@ -321,7 +309,7 @@ class RedisTurns:
         listener = self.listeners.get(reply.get_loop())
         if listener is not None:
             listener.forget(ticket.name)
-        self.in_background(self.leave(ticket.base, ticket.name))
+        self.background.spawn(self.leave(ticket.base, ticket.name))
 
     async def leave(self, base: str, ticket: str) -> bool:
         """Take ``ticket`` out of the key's queue, passing the turn on; True if it held it."""
@@ -354,7 +342,7 @@ class RedisTurns:
         keeper.stop()
         del self.held[(task, encoded)]
         lost = turn.lost or keeper.expired()
-        release = self.in_background(self.leave(turn.base, turn.ticket))
+        release = self.background.spawn(self.leave(turn.base, turn.ticket))
         if await finished_within(release, self.release_wait):
             if release.cancelled() or release.exception() is not None:
                 logger.warning(
@@ -370,11 +358,8 @@ class RedisTurns:
 
     async def close(self) -> None:
         """Let background releases of this loop finish (up to a lease), stop listening."""
-        loop = asyncio.get_running_loop()
-        pending = [task for task in self.background if task.get_loop() is loop]
-        if pending:
-            await asyncio.wait(pending, timeout=self.lease)
-        listener = self.listeners.pop(loop, None)
+        await self.background.wait(self.lease)
+        listener = self.listeners.pop(asyncio.get_running_loop(), None)
         if listener is not None:
             await listener.close(within=self.lease)
         await self.runner.close()
