@@ -38,6 +38,24 @@ def pytest_asyncio_loop_factories(
     return LOOP_FACTORIES
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A backend test in fair mode runs on the default loop only: the loop setups are
+    tested in the default mode, and fair mode changes nothing in how the loop is used."""
+    first_loop = next(iter(LOOP_FACTORIES))
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        fair = "fair" in (params.get("redis_mode"), params.get("postgres_mode"))
+        loop = getattr(getattr(item, "callspec", None), "id", "").split("-")[0]
+        if fair and loop in LOOP_FACTORIES and loop != first_loop:
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture(params=list(LOOP_FACTORIES), ids=list(LOOP_FACTORIES))
 def loop_factory(request: pytest.FixtureRequest) -> LoopFactory:
     """For tests that start their own loops: each loop setup in turn."""

@@ -375,13 +375,13 @@ async def test_bad_arguments() -> None:
 
 
 async def test_a_long_call_keeps_its_turn_by_renewing_the_lease(clients: Clients) -> None:
-    holder = RedisKeyedQueue(clients(), namespace="t", lease=0.3)
-    other = RedisKeyedQueue(clients(), namespace="t", lease=0.3)
+    holder = RedisKeyedQueue(clients(), namespace="t", lease=0.5)
+    other = RedisKeyedQueue(clients(), namespace="t", lease=0.5)
     log: list[str] = []
 
     async def long_call() -> None:
         log.append("long starts")
-        await asyncio.sleep(1.2)  # four leases: renewed in the background meanwhile
+        await asyncio.sleep(1.5)  # three leases: renewed in the background meanwhile
         log.append("long ends")
 
     async def next_call() -> None:
