@@ -10,12 +10,16 @@ earlier started later.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,6 +35,38 @@ def schedule(seed: int) -> list[int]:
     owners = [call % PROCESSES for call in range(CALLS)]
     random.Random(seed).shuffle(owners)
     return owners
+
+
+async def make_calls(
+    run: Callable[..., Coroutine[Any, Any, Any]],
+    arguments: list[str],
+    hold: Callable[[float], Awaitable[object]],
+) -> None:
+    """A worker's part: warm its queue up, make its calls of the schedule at their times on
+    one key through ``run`` (a queue's ``run``), each turn ``hold``-ing for the turn's length
+    and logging its line. ``arguments``: those `run_workers` passes after the mode."""
+    log_path, owners, index, start, spacing, turn = arguments
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    async def work(call: int, made: int) -> None:
+        started = time.monotonic_ns()
+        await hold(float(turn))
+        os.write(log, f"{call} {made} {started} {time.monotonic_ns()}\n".encode())
+
+    async def warm_up() -> None:
+        pass
+
+    # As a long-running service would be: connected, its scripts or sequence in place.
+    await run("warm-up", warm_up)
+    calls: list[asyncio.Task[Any]] = []
+    for call, owner in enumerate(owners.split(",")):
+        if int(owner) != int(index):
+            continue
+        made_at = int(start) + call * float(spacing) * 1e9
+        await asyncio.sleep(max(0.0, (made_at - time.monotonic_ns()) / 1e9))
+        calls.append(asyncio.create_task(run("key", work, call, time.monotonic_ns())))
+    await asyncio.gather(*calls)
+    os.close(log)
 
 
 def run_workers(worker: list[str], log: Path, seed: int) -> list[tuple[int, int, int, int]]:

@@ -27,6 +27,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from keyserial.postgres import PostgresKeyedQueue, connection
 
+from . import fair_order
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS history (
     key text, seq int, pid int, call int, fence bigint, started bigint, ended bigint,
@@ -105,42 +107,16 @@ async def hold(dsn: str, key: str, lease: float, mode: str = "hold") -> None:
         say("committed")
 
 
-async def order(
-    dsn: str,
-    fair: bool,
-    log_path: str,
-    owners: str,
-    index: int,
-    start: int,
-    spacing: float,
-    turn: float,
-) -> None:
+async def order(dsn: str, fair: bool, arguments: list[str]) -> None:
     # Fair mode holds a connection per waiting call: room for every call of this process.
     async with AsyncConnectionPool(dsn, min_size=1, max_size=12, open=False) as pool:
         queue = PostgresKeyedQueue(pool, namespace="order", lease=5.0, fair=fair)
-        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-        async def work(call: int, made: int) -> None:
-            started = time.monotonic_ns()
-            await connection().execute("SELECT pg_sleep(%s)", (turn,))
-            os.write(log, f"{call} {made} {started} {time.monotonic_ns()}\n".encode())
+        async def hold(seconds: float) -> None:
+            await connection().execute("SELECT pg_sleep(%s)", (seconds,))
 
-        async def warm_up() -> None:
-            pass
-
-        # As a long-running service would be: connected, its fence sequence in place.
-        await queue.run("warm-up", warm_up)
-        calls: list[asyncio.Task[None]] = []
-        for call, owner in enumerate(owners.split(",")):
-            if int(owner) != index:
-                continue
-            await asyncio.sleep(
-                max(0.0, (start + call * spacing * 1e9 - time.monotonic_ns()) / 1e9)
-            )
-            calls.append(asyncio.create_task(queue.run("key", work, call, time.monotonic_ns())))
-        await asyncio.gather(*calls)
+        await fair_order.make_calls(queue.run, arguments, hold)
         await queue.aclose()
-        os.close(log)
     say("done")
 
 
@@ -156,19 +132,7 @@ def main() -> None:
     if mode == "log":
         asyncio.run(log_calls(dsn, int(rest[0]), int(rest[1]), int(rest[2])))
     elif mode == "order":
-        fair, log, owners, index, start, spacing, turn = rest
-        asyncio.run(
-            order(
-                dsn,
-                fair == "fair",
-                log,
-                owners,
-                int(index),
-                int(start),
-                float(spacing),
-                float(turn),
-            )
-        )
+        asyncio.run(order(dsn, rest[0] == "fair", rest[1:]))
     elif mode in ("hold", "hold-idle", "sleep"):
         asyncio.run(hold(dsn, rest[0], float(rest[1]), mode))
 

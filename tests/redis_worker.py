@@ -27,6 +27,8 @@ import redis.asyncio
 from keyserial import LeaseLost, current_fence
 from keyserial.redis import RedisKeyedQueue, encode_key
 
+from . import fair_order
+
 # Writes VALUE to KEYS[1] only if FENCE is above the highest fence seen so far.
 FENCED_WRITE = """
 local last = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
@@ -69,40 +71,12 @@ async def log_calls(url: str, log_path: str, seed: int, calls: int, keys: int) -
     say("done")
 
 
-async def order(
-    url: str,
-    fair: bool,
-    log_path: str,
-    owners: str,
-    index: int,
-    start: int,
-    spacing: float,
-    turn: float,
-) -> None:
+async def order(url: str, fair: bool, arguments: list[str]) -> None:
     client = redis.asyncio.Redis.from_url(url)
     queue = RedisKeyedQueue(client, namespace="order", lease=5.0, fair=fair)
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    async def work(call: int, made: int) -> None:
-        started = time.monotonic_ns()
-        await asyncio.sleep(turn)
-        os.write(log, f"{call} {made} {started} {time.monotonic_ns()}\n".encode())
-
-    async def warm_up() -> None:
-        pass
-
-    # As a long-running service would be: connected, subscribed, its scripts loaded.
-    await queue.run("warm-up", warm_up)
-    calls: list[asyncio.Task[None]] = []
-    for call, owner in enumerate(owners.split(",")):
-        if int(owner) != index:
-            continue
-        await asyncio.sleep(max(0.0, (start + call * spacing * 1e9 - time.monotonic_ns()) / 1e9))
-        calls.append(asyncio.create_task(queue.run("key", work, call, time.monotonic_ns())))
-    await asyncio.gather(*calls)
+    await fair_order.make_calls(queue.run, arguments, asyncio.sleep)
     await queue.aclose()
     await client.aclose()
-    os.close(log)
     say("done")
 
 
@@ -153,19 +127,7 @@ if __name__ == "__main__":
     elif mode == "hold":
         asyncio.run(hold(url, rest[0], float(rest[1])))
     elif mode == "order":
-        fair, log, owners, index, start, spacing, turn = rest
-        asyncio.run(
-            order(
-                url,
-                fair == "fair",
-                log,
-                owners,
-                int(index),
-                int(start),
-                float(spacing),
-                float(turn),
-            )
-        )
+        asyncio.run(order(url, rest[0] == "fair", rest[1:]))
     elif mode == "wait":
         asyncio.run(wait(url, rest[0], float(rest[1])))
     else:
