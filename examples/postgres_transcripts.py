@@ -1,6 +1,6 @@
 """The transcript pipeline against PostgreSQL, with four worker processes.
 
-Each segment gets three updates — partial, revision, final — 50 ms apart, each sent to one
+Each segment gets three updates — partial, revision, final — 100 ms apart, each sent to one
 of four worker processes at random. A worker takes a while to process an update (the
 partial longest), then writes it. Five ways to run the workers:
 
@@ -57,14 +57,14 @@ Update = tuple[str, int, str, float]  # segment, revision, stage, processing sec
 
 
 def updates(segments: int, seed: int) -> list[tuple[float, Update]]:
-    """When each update is sent, and what it is: the stages of a segment 50 ms apart."""
+    """When each update is sent, and what it is: the stages of a segment 100 ms apart."""
     rng = random.Random(seed)
     plan: list[tuple[float, Update]] = []
     for n in range(segments):
         start = rng.uniform(0, 0.02 * segments)
         for revision, stage in enumerate(STAGES, 1):
-            work = rng.uniform(0.1, 0.15) if stage == "partial" else rng.uniform(0, 0.01)
-            plan.append((start + 0.05 * revision, (f"seg-{n:03d}", revision, stage, work)))
+            work = rng.uniform(0.2, 0.3) if stage == "partial" else rng.uniform(0, 0.01)
+            plan.append((start + 0.1 * revision, (f"seg-{n:03d}", revision, stage, work)))
     return sorted(plan)
 
 
