@@ -72,7 +72,7 @@ async def _work(dsn: str, mode: str, inbox: Any, ready: Any) -> None:
     # Enough connections for every update in flight (fair mode holds one per waiting call): a
     # call waiting for a connection has not reached the server's lock queue yet, and the
     # order across processes is that queue's.
-    async with AsyncConnectionPool(dsn, min_size=20, max_size=20, open=False) as pool:
+    async with AsyncConnectionPool(dsn, min_size=16, max_size=16, open=False) as pool:
         await pool.wait()  # every connection open before the first update arrives
         await asyncio.to_thread(ready.wait)
         queue = PostgresKeyedQueue(pool, namespace="transcripts", fair=mode.endswith("fair"))

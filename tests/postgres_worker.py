@@ -109,7 +109,7 @@ async def hold(dsn: str, key: str, lease: float, mode: str = "hold") -> None:
 
 async def order(dsn: str, fair: bool, arguments: list[str]) -> None:
     # Fair mode holds a connection per waiting call: room for every call of this process.
-    async with AsyncConnectionPool(dsn, min_size=1, max_size=12, open=False) as pool:
+    async with AsyncConnectionPool(dsn, min_size=1, max_size=11, open=False) as pool:
         queue = PostgresKeyedQueue(pool, namespace="order", lease=5.0, fair=fair)
 
         async def hold(seconds: float) -> None:

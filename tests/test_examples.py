@@ -170,6 +170,7 @@ async def test_fastapi_app_closes_its_queue_on_shutdown() -> None:
     assert refused.status_code == 503 and refused.json()["detail"] == "shutting down"
 
 
+@pytest.mark.xdist_group("postgres-connections")
 @pytest.mark.timeout(180)
 def test_postgres_transcripts_stale_rows_without_keyserial_none_with_fair_mode_or_the_check(
     postgres_dsn: str, monkeypatch: pytest.MonkeyPatch

@@ -41,6 +41,7 @@ async def _until_waiting(pool: AsyncConnectionPool[Any], count: int) -> list[int
     raise AssertionError(f"never {count} calls waiting in the server")
 
 
+@pytest.mark.xdist_group("postgres-connections")
 async def test_every_waiting_call_waits_in_the_server_in_call_order(pools: Pools) -> None:
     burst = 16
     pool, other = await pools(min_size=burst + 1, max_size=burst + 1), await pools()

@@ -24,6 +24,7 @@ from .postgres_worker import MODULUS, create_schema
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.xdist_group("postgres-connections")
 @pytest.mark.usefixtures("postgres_mode")
 def test_four_processes_twenty_keys_no_overlap_fifo_exactly_once(postgres_dsn: str) -> None:
     create_schema(postgres_dsn)
@@ -197,6 +198,7 @@ async def test_a_server_restart_mid_run_keeps_nothing_half_written() -> None:
         cluster.close()
 
 
+@pytest.mark.xdist_group("postgres-connections")
 @pytest.mark.parametrize("mode", ["fair", "default"])
 def test_across_processes_fair_mode_runs_calls_in_the_order_they_were_made(
     postgres_dsn: str, tmp_path: Path, mode: str
