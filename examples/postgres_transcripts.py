@@ -61,7 +61,7 @@ def updates(segments: int, seed: int) -> list[tuple[float, Update]]:
     rng = random.Random(seed)
     plan: list[tuple[float, Update]] = []
     for n in range(segments):
-        start = rng.uniform(0, 0.02 * segments)
+        start = rng.uniform(0, 0.04 * segments)
         for revision, stage in enumerate(STAGES, 1):
             work = rng.uniform(0.2, 0.3) if stage == "partial" else rng.uniform(0, 0.01)
             plan.append((start + 0.1 * revision, (f"seg-{n:03d}", revision, stage, work)))
