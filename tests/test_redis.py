@@ -15,6 +15,7 @@ from redis.exceptions import ResponseError
 
 from keyserial import LeaseLost, current_fence, serialized
 from keyserial.redis import RedisKeyedQueue, RedisUnavailable, encode_key
+from keyserial.redis._names import base_name, encoded_namespace
 from keyserial.redis._transport import LuaScript, ScriptRunner
 
 from .redis_helpers import Clients, one_node_cluster, until
@@ -43,7 +44,14 @@ async def test_same_key_is_serialized_across_queues_in_registration_order(
     a = asyncio.create_task(first.run("seg", step, "a"))
     await until(lambda: rec.log == ["start a"], "a starts")
     b = asyncio.create_task(second.run("seg", step, "b"))
-    await asyncio.sleep(0.05)  # b's request reaches Redis before c's
+    # b's request reaches Redis before c is made: its ticket waits in the key's queue.
+    watcher = clients()
+    queued = f"{base_name(encoded_namespace('t'), encode_key('seg'))}:queue"
+    for _ in range(2000):
+        if await watcher.llen(queued) == 1:
+            break
+        await asyncio.sleep(0.005)
+    assert await watcher.llen(queued) == 1, "b's ticket never reached Redis"
     c = asyncio.create_task(first.run("seg", step, "c"))
     other = asyncio.create_task(second.run("other", step, "other"))
     await until(lambda: "start other" in rec.log, "a different key runs at once")
