@@ -9,6 +9,9 @@ from collections.abc import AsyncGenerator, Callable
 
 import redis.asyncio as redis
 
+from keyserial.redis import encode_key
+from keyserial.redis._names import base_name, encoded_namespace
+
 from .redis_server import RedisServer, redis_server_binary
 
 #: Makes a Redis client for the test's private server (one per simulated process).
@@ -39,3 +42,14 @@ async def until(condition: Callable[[], bool], what: str, seconds: float = 10.0)
             return
         await asyncio.sleep(0.005)
     raise AssertionError(f"never happened: {what}")
+
+
+async def until_tickets_waiting(client: redis.Redis, namespace: str, key: str, count: int) -> None:
+    """Wait until ``count`` tickets wait in Redis's queue for ``key`` (the holder's is not among
+    them); fail after ten seconds."""
+    queued = f"{base_name(encoded_namespace(namespace), encode_key(key))}:queue"
+    for _ in range(2000):
+        if await client.llen(queued) == count:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never {count} tickets waiting in Redis for {key!r}")

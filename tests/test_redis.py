@@ -15,10 +15,9 @@ from redis.exceptions import ResponseError
 
 from keyserial import LeaseLost, current_fence, serialized
 from keyserial.redis import RedisKeyedQueue, RedisUnavailable, encode_key
-from keyserial.redis._names import base_name, encoded_namespace
 from keyserial.redis._transport import LuaScript, ScriptRunner
 
-from .redis_helpers import Clients, one_node_cluster, until
+from .redis_helpers import Clients, one_node_cluster, until, until_tickets_waiting
 from .redis_server import RedisServer
 from .scheduling import Recorder
 
@@ -45,13 +44,7 @@ async def test_same_key_is_serialized_across_queues_in_registration_order(
     await until(lambda: rec.log == ["start a"], "a starts")
     b = asyncio.create_task(second.run("seg", step, "b"))
     # b's request reaches Redis before c is made: its ticket waits in the key's queue.
-    watcher = clients()
-    queued = f"{base_name(encoded_namespace('t'), encode_key('seg'))}:queue"
-    for _ in range(2000):
-        if await watcher.llen(queued) == 1:
-            break
-        await asyncio.sleep(0.005)
-    assert await watcher.llen(queued) == 1, "b's ticket never reached Redis"
+    await until_tickets_waiting(clients(), "t", "seg", 1)
     c = asyncio.create_task(first.run("seg", step, "c"))
     other = asyncio.create_task(second.run("other", step, "other"))
     await until(lambda: "start other" in rec.log, "a different key runs at once")
