@@ -72,6 +72,15 @@ def redis_server() -> Iterator[RedisServer]:
         server.close()
 
 
+def _fair_by_default(monkeypatch: pytest.MonkeyPatch, queue_class: Any, variable: str) -> None:
+    """Make ``queue_class`` fair unless told otherwise, here and in the worker processes a
+    test starts (they read ``variable``)."""
+    defaults = queue_class.__init__.__kwdefaults__
+    assert defaults is not None and "fair" in defaults, f"{queue_class.__name__} lost fair="
+    monkeypatch.setitem(defaults, "fair", True)
+    monkeypatch.setenv(variable, "1")
+
+
 @pytest.fixture(params=["default", "fair"])
 def redis_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a Redis test twice: with the default mode, and with every ``RedisKeyedQueue`` it
@@ -79,10 +88,7 @@ def redis_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     if request.param == "fair":
         from keyserial.redis import RedisKeyedQueue
 
-        defaults = RedisKeyedQueue.__init__.__kwdefaults__
-        assert defaults is not None and "fair" in defaults, "RedisKeyedQueue lost fair="
-        monkeypatch.setitem(defaults, "fair", True)
-        monkeypatch.setenv("KEYSERIAL_TEST_REDIS_FAIR", "1")
+        _fair_by_default(monkeypatch, RedisKeyedQueue, "KEYSERIAL_TEST_REDIS_FAIR")
     return str(request.param)
 
 
@@ -93,10 +99,7 @@ def postgres_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     if request.param == "fair":
         from keyserial.postgres import PostgresKeyedQueue
 
-        defaults = PostgresKeyedQueue.__init__.__kwdefaults__
-        assert defaults is not None and "fair" in defaults, "PostgresKeyedQueue lost fair="
-        monkeypatch.setitem(defaults, "fair", True)
-        monkeypatch.setenv("KEYSERIAL_TEST_POSTGRES_FAIR", "1")
+        _fair_by_default(monkeypatch, PostgresKeyedQueue, "KEYSERIAL_TEST_POSTGRES_FAIR")
     return str(request.param)
 
 
