@@ -10,16 +10,16 @@ Fields, read through the functions below unless noted:
 
 ``Task._fut_waiter``
     The future a blocked task's innermost ``await`` is parked on (None while it runs). The
-    deadlock check and ``current_fence()`` follow it (``fut_waiter``). The in-process hot
-    path reads it directly as ``getattr(task, "_fut_waiter", ...)`` (``_queue``, ``_share``)
-    to tell a running holder from a blocked one without a call.
+    deadlock check and ``current_fence()`` follow it, and the in-process queue tells a
+    running holder from a blocked one by it (``fut_waiter``).
 ``BaseEventLoop._thread_id``
     The thread a loop runs in. Before Python 3.12, ``get_running_loop()`` makes a
     ``getpid()`` system call; ``_queue``'s hot path compares this field with the thread's id
-    instead, read directly.
+    instead (``loop_thread_id``, a C getter: cheaper than a function of this module).
 ``BaseEventLoop._task_factory``, ``BaseEventLoop._closed``
-    What ``get_task_factory()`` and ``is_closed()`` return, read directly by ``_queue`` and
-    ``_share`` on asyncio's own loops only (``has_asyncio_accessors``).
+    What ``get_task_factory()`` and ``is_closed()`` return, read by ``_queue`` and
+    ``_share`` on asyncio's own loops only (``has_asyncio_accessors``), through the C
+    getters ``loop_task_factory`` and ``loop_closed``.
 ``asyncio.tasks._current_tasks``
     Before Python 3.12, the dict behind ``current_task()``: its ``get`` is the cheaper call
     (``current_tasks``).
@@ -58,6 +58,7 @@ on something outside the graph (no edge), which can miss a cycle but never inven
 from __future__ import annotations
 
 import asyncio
+import operator
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -73,15 +74,24 @@ FIELDS: dict[str, tuple[str, ...]] = {
 if sys.version_info < (3, 12):
     FIELDS["asyncio.tasks"] = ("_current_tasks",)
 
-#: The fields the hot path (``_queue``, ``_share``) reads directly, by these names: an
-#: attribute read costs less than a call of a function here. Every other read of asyncio's
-#: private parts goes through the functions of this module (tests/test_architecture.py).
-HOT_PATH_FIELDS = frozenset({"_fut_waiter", "_thread_id", "_task_factory", "_closed"})
+#: C getters of the loop's fields for the hot path (``_queue``, ``_share``): calling one
+#: costs less than calling a Python function, and keeps the private names in this module.
+#: ``loop_thread_id`` only on asyncio's own loops where ``LoopShares`` finds the loop by its
+#: thread; the other two where ``has_asyncio_accessors`` says they are what the public
+#: methods return.
+loop_thread_id = operator.attrgetter("_thread_id")
+loop_task_factory = operator.attrgetter("_task_factory")
+loop_closed = operator.attrgetter("_closed")
 
 
 def fut_waiter(task: object) -> Any:
     """The future ``task`` is blocked on, or None (running, done, or not an asyncio task)."""
     return getattr(task, "_fut_waiter", None)
+
+
+def is_blocked_task(candidate: object) -> bool:
+    """Whether ``candidate`` is a task blocked on a future; True too for a non-task."""
+    return getattr(candidate, "_fut_waiter", True) is not None
 
 
 def current_tasks() -> dict[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None:
@@ -158,6 +168,18 @@ def has_asyncio_accessors(loop: asyncio.AbstractEventLoop | None) -> bool:
 def is_running(task: asyncio.Task[Any]) -> bool:
     """Whether ``task`` is in the middle of a step (another task started eagerly inside it)."""
     return not task.done() and bool(getattr(task.get_coro(), "cr_running", False))
+
+
+def another_task_mid_step(task: asyncio.Task[Any]) -> bool:
+    """Whether a task other than the running ``task`` is in the middle of a step: the one
+    that started ``task`` eagerly (inside ``create_task``), whose waits are not settled yet.
+
+    Only a loop that starts tasks eagerly can have one; elsewhere this reads nothing.
+    """
+    loop = task.get_loop()
+    if not may_start_eagerly(loop):
+        return False
+    return any(other is not task and is_running(other) for other in asyncio.all_tasks(loop))
 
 
 def _task_group_tasks(frame: FrameType) -> tuple[Any, ...] | None:

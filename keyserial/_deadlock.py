@@ -3,8 +3,8 @@
 A task about to wait for some keys closes a cycle if the holders of those keys, in the end,
 wait for it. "Wait for" has two kinds of edges:
 
-* a task waiting for a key waits for the key's holder (the queue's records, and for a
-  wait on a plain future the frame that awaits it: see "What a waiting call waits for");
+* a task waiting for a key waits for the key's holder (the queue's records: see "What a
+  waiting call waits for");
 * a task blocked in ``await`` waits for what it awaits — a task, or through ``gather``,
   ``TaskGroup``, ``wait``, ``shield`` or ``wait_for`` the tasks behind them
   (``keyserial._asyncio_internals`` reads those off asyncio's objects).
@@ -27,28 +27,18 @@ event, a sleep): it leads nowhere, and the answer stays the same for every call 
 behind it until the holder resumes. The last such holder and the future it waits on are
 remembered (weakly), so a burst of calls behind it does not read its coroutines each time.
 
+The deadlock check reads no frame of keyserial's own: only asyncio's helpers are read off
+their objects, in ``keyserial._asyncio_internals``.
+
 What a waiting call waits for
 -----------------------------
 
-What a waiting call waits for: the keys, the share that holds them, and since when.
-
-A ``run``, ``call`` or ``lock`` without a timeout waits on an exact ``asyncio.Future``.
-asyncio's C task takes its fast path only for an exact future: awaiting a subclass costs it
-an attribute lookup, a method call and a bound method more, on every contended call
-(benchmarks: contended-100). An exact future carries nothing, so what
-it waits for is read where it already is: in the locals of the frame that awaits it, the
-registering coroutine of the queue (``key``, the share, and ``since``, the time of the
-registration). A frame is registered here with `register_waiting_code`.
-
-Every other wait carries the same facts itself, as a ``Waiter``: one with a timeout (its
-timer is a slot of it), one that ``submit`` registers before its task exists (no frame
-awaits it yet), and one for several keys.
-
-Reading a frame costs microseconds, but only the deadlock check (when the holder it looks
-at is blocked) and ``stats()`` read them, never a hand-off. A burst of calls queued behind
-one blocked holder would read the same frame again and again, so the last answer is
-remembered (weakly) with the future it was read for: a task still blocked on that future
-still waits for the same keys.
+A waiting call's keys, share and registration time are records: ``keyserial._turns.WAITING``
+holds them for the exact ``asyncio.Future`` a call without a timeout awaits (asyncio's C
+task takes its fast path only for an exact future, which carries nothing), and every other
+wait carries them itself as a ``Waiter`` (one with a timeout, one that ``submit`` registers
+before its task exists, one for several keys). The check finds a blocked task's record
+through the future it is parked on (``_fut_waiter``).
 
 What cannot lead back to a task
 -------------------------------
@@ -62,44 +52,33 @@ a path end at? A path into a task ends either with a key it holds (or that a tas
 it holds), or with plain waits from a holder that awaits it. So if neither the task nor
 anything awaiting it holds a key or is one of the holders, no path exists.
 
-"Holds a key" must never be missed, so it is read conservatively and the answer is only
-ever "surely not" or "unsure": a keyserial turn or registration on a task's await chain
-(registered code objects), a lock block the task is in (recorded per task: a block has no
-frame of its own, and may even be kept open by a suspended async generator), an await chain
-that cannot be read to its end, or a task in the middle of a step.
+"Holds a key" must never be missed, so the answer is only ever "surely not" or "unsure":
+a task holds a key if it has a turn record (``keyserial._turns.RUNNING``: every turn and
+lock block records itself there), waits for a multi-key turn (which may hold some of its
+keys already), or is in the middle of a step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from types import CodeType, FrameType
 from typing import Any, NamedTuple
 
 from ._asyncio_internals import (
-    MAX_DEPTH,
     WaitsOn,
-    coroutine_chain,
-    frame_of,
+    another_task_mid_step,
     fut_waiter,
     is_running,
     is_task,
-    may_start_eagerly,
-    tasks_waiting_for,
     waits_of_future,
     waits_of_task,
     woken_by,
 )
 from ._errors import DeadlockError
 from ._records import KeyHolders, MultiWaiter, TimedWaiter, Waiter
-
-#: id of a registering coroutine's code -> the name of its local that holds the share.
-_waiting_codes: dict[int, str] = {}
-#: The registered code objects, kept so that their ids stay theirs.
-_kept_codes: list[CodeType] = []
+from ._turns import WAITING, function_of, holds_any
 
 
 class TurnWait(NamedTuple):
@@ -110,107 +89,36 @@ class TurnWait(NamedTuple):
     since: float  # when the call registered, on the loop's clock
 
 
-def register_waiting_code(code: CodeType, share_local: str) -> None:
-    """Declare that a frame running ``code`` may await an exact future for a turn.
-
-    Such a frame must have the locals ``waiter`` (the future), ``key``, ``since`` and
-    ``share_local`` (the share), all set before it awaits ``waiter``.
-    """
-    _kept_codes.append(code)
-    _waiting_codes[id(code)] = share_local
-
-
-#: The last answer read off a frame: the task, the future it awaited, and what it waits for.
-_last: tuple[weakref.ref[Any], weakref.ref[Any], TurnWait] | None = None
-
-
 def turn_wait_of_task(task: asyncio.Task[Any]) -> TurnWait | None:
     """What ``task`` waits for, if it is blocked waiting for a turn; else None."""
     awaited: Any = fut_waiter(task)
     if awaited is None:
         return None
-    global _last
-    last = _last
-    if last is not None and last[1]() is awaited and last[0]() is task:
-        return last[2]  # asked first: a burst of calls behind one holder asks this
+    return _turn_wait_of_future(awaited)
+
+
+def _turn_wait_of_future(awaited: Any) -> TurnWait | None:
+    record = WAITING.get(awaited)
+    if record is not None:
+        return TurnWait(record[0], record[1], record[2])
     kind: object = awaited.__class__
     if kind is Waiter or kind is TimedWaiter:
         return TurnWait(awaited.share, (awaited.key,), awaited.since)
     if kind is MultiWaiter:
         return TurnWait(awaited.share, awaited.keys, awaited.since)
-    if kind is not asyncio.Future:
-        return None
-    found = _read_frames(task, awaited)
-    if found is not None:
-        with contextlib.suppress(TypeError):  # a task type without weak references
-            _last = (weakref.ref(task), weakref.ref(awaited), found)
-    return found
+    return None
 
 
 def waited_since(waiter: asyncio.Future[Any]) -> float | None:
-    """When the call waiting on ``waiter`` registered; None if no frame says so."""
-    if isinstance(waiter, Waiter):
-        return waiter.since
-    for task in tasks_waiting_for(waiter):
-        found = _read_frames(task, waiter)
-        if found is not None:
-            return found.since
-    return None
-
-
-def _read_frames(task: asyncio.Task[Any], future: object) -> TurnWait | None:
-    """What the innermost registering frame of ``task`` that awaits ``future`` waits for."""
-    for coro in reversed(list(coroutine_chain(task))):
-        frame = frame_of(coro)
-        if frame is None:
-            continue
-        share_local = _waiting_codes.get(id(frame.f_code))
-        if share_local is None:
-            continue
-        names = frame.f_locals
-        if names.get("waiter") is not future:
-            return None  # the innermost registering frame waits for something else
-        try:
-            return TurnWait(names[share_local], (names["key"],), names["since"])
-        except KeyError:
-            return None
-    return None
+    """When the call waiting on ``waiter`` registered; None if no record says so."""
+    found = _turn_wait_of_future(waiter)
+    return None if found is None else found.since
 
 
 Task = asyncio.Task[Any]
 
 #: Nodes `unreachable` visits before it gives up (and the forward walk runs in full).
 _BACKWARD_BUDGET = 32
-
-_COROUTINE_FLAGS = 0x80 | 0x100 | 0x200  # CO_COROUTINE, CO_ITERABLE_COROUTINE, CO_ASYNC_GENERATOR
-
-#: The ids of the code objects of every keyserial coroutine that registers for keys or holds
-#: them while it runs: the entry codes, and the registering ones of lock blocks and multi-key
-#: calls. Ids, because hashing a code object hashes its bytecode and constants; the codes
-#: themselves are kept in `_kept_codes`, so their ids stay theirs.
-_holding_codes: set[int] = set()
-#: Tasks inside ``lock()``/``lock_all()`` blocks, with how many: a block has no frame of its
-#: own on its task's await chain (it may even belong to a suspended async generator).
-_block_holders: dict[Task, int] = {}
-
-
-def register_holding_code(code: Any) -> None:
-    """Declare that a frame running ``code`` registers for keys or holds some."""
-    _kept_codes.append(code)
-    _holding_codes.add(id(code))
-
-
-def block_entered(task: Task) -> None:
-    """``task`` now holds keys for a lock block."""
-    _block_holders[task] = _block_holders.get(task, 0) + 1
-
-
-def block_left(task: Task) -> None:
-    """``task`` left a lock block it entered with `block_entered`."""
-    left = _block_holders.pop(task, 1) - 1
-    if left:
-        _block_holders[task] = left
-
 
 #: What `unreachable` answers when the running task was started eagerly by a task still in
 #: the middle of its step: nothing can be said until that step ends.
@@ -257,32 +165,9 @@ def unreachable(task: Task, holders: Sequence[Task | None], running: bool) -> bo
 def _stack_holds_nothing(task: Task) -> bool | str:
     """Whether the running ``task``, registering now, holds no key: True, False if unsure,
     or LATER if another task is in the middle of the step that started it."""
-    if task in _block_holders:
-        return False
-    outermost = frame_of(task.get_coro())
-    registrant_seen = False
-    frame: FrameType | None = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]
-    while frame is not None:
-        if id(frame.f_code) in _holding_codes:
-            if registrant_seen:  # the innermost one is the call registering now
-                return False
-            registrant_seen = True
-        if frame is outermost:
-            break
-        frame = frame.f_back
-    if frame is None:
-        return False  # the task's own frames are not where they should be: unsure
-    # Below a task's frames there is only the loop, unless another task is in the middle
-    # of a step that started this one eagerly: its waits are not settled yet. Where no task
-    # starts eagerly, the loop's frames (each read makes a frame object) need not be read.
-    if not may_start_eagerly(task.get_loop()):
-        return True
-    frame = frame.f_back
-    while frame is not None:
-        if frame.f_code.co_flags & _COROUTINE_FLAGS:
-            return LATER
-        frame = frame.f_back
-    return True
+    if holds_any(task):
+        return False  # the call registering now has no record yet: any record is another's
+    return LATER if another_task_mid_step(task) else True
 
 
 def _suspended_holds_nothing(task: Task, registering: bool = False) -> bool:
@@ -290,28 +175,10 @@ def _suspended_holds_nothing(task: Task, registering: bool = False) -> bool:
     waits in a registration of its own, which holds nothing yet."""
     if task.done():
         return True
-    if task in _block_holders or is_running(task):
+    if is_running(task) or holds_any(task):
         return False
-    allowed = 1 if registering else 0  # holding frames: only the innermost may register
-    coro: Any = task.get_coro()
-    for _ in range(MAX_DEPTH):
-        frame = frame_of(coro)
-        if frame is None:
-            return False
-        if id(frame.f_code) in _holding_codes:
-            allowed -= 1
-            if allowed < 0:
-                return False
-        inner = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-        if inner is None:
-            return True  # suspended at a bare yield: this is the whole chain
-        if frame_of(inner) is None:
-            # The chain ends awaiting a future; anything else (an async generator's
-            # asend, a custom awaitable) may hide frames further in.
-            waiter = fut_waiter(task)
-            return waiter is not None and type(inner) is type(waiter.__await__())
-        coro = inner
-    return False
+    # A multi-key wait may hold some of its keys already.
+    return registering or type(fut_waiter(task)) is not MultiWaiter
 
 
 #: Nested any-of waits (``asyncio.wait(..., FIRST_COMPLETED)``) followed at most this deep.
@@ -327,17 +194,6 @@ _FORWARD_BUDGET = 1
 UNDECIDED = "undecided"
 #: Returned by `find_cycle` when it visited its budget of nodes without an answer.
 EXHAUSTED = "exhausted"
-
-#: Code objects of keyserial's own coroutines that run a caller's function ``fn``; a task
-#: running one is named after that function in messages.
-_entry_codes: set[Any] = set()
-
-
-def register_entry_code(code: Any) -> None:
-    """Name tasks whose coroutine runs ``code`` after the ``fn`` it calls."""
-    _entry_codes.add(code)
-    register_holding_code(code)
-
 
 Label = tuple[str, Any]  # ("key", key) or ("await", how), or ("", None) for no label
 
@@ -453,7 +309,11 @@ def _key_edges(share: KeyHolders, keys: Sequence[Hashable]) -> list[tuple[Any, L
 
 
 def find_cycle(
-    share: KeyHolders, task: Task, keys: Sequence[Hashable], budget: int | None = None
+    share: KeyHolders,
+    task: Task,
+    keys: Sequence[Hashable],
+    budget: int | None = None,
+    fn: Any = None,
 ) -> DeadlockError | str | None:
     """The cycle ``task`` would close by waiting for ``keys``: an error, UNDECIDED, None,
     or EXHAUSTED when ``budget`` nodes were visited without an answer."""
@@ -464,7 +324,7 @@ def find_cycle(
             continue
         steps = search.path(holder)
         if steps is not None:
-            return _describe(task, key, steps)
+            return _describe(task, key, steps, fn)
         if search.exhausted:
             return EXHAUSTED
     return UNDECIDED if search.undecided else None
@@ -475,7 +335,7 @@ def may_wait_on_someone(holder: Task) -> bool:
     return fut_waiter(holder) is not None or is_running(holder)
 
 
-def check_no_cycle(share: KeyHolders, task: Task, keys: Sequence[Hashable]) -> bool:
+def check_no_cycle(share: KeyHolders, task: Task, keys: Sequence[Hashable], fn: Any = None) -> bool:
     """Raise DeadlockError if ``task`` waiting for ``keys`` would wait on itself.
 
     Returns True if the answer must wait until the tasks mid-step have suspended (then
@@ -492,14 +352,14 @@ def check_no_cycle(share: KeyHolders, task: Task, keys: Sequence[Hashable]) -> b
         # could only come back exhausted, so the backward question is asked at once.
         found: DeadlockError | str | None = EXHAUSTED
     else:
-        found = find_cycle(share, task, keys, _FORWARD_BUDGET)
+        found = find_cycle(share, task, keys, _FORWARD_BUDGET, fn)
     if found == EXHAUSTED:
         answer = unreachable(task, holders, running=True)
         if answer is True:
             return False
         if answer == LATER:
             return True
-        found = find_cycle(share, task, keys)
+        found = find_cycle(share, task, keys, None, fn)
     if isinstance(found, DeadlockError):
         raise found
     return found == UNDECIDED
@@ -533,24 +393,28 @@ def check_later(
     waiting.get_loop().call_soon(recheck)
 
 
-def describe_task(task: Task) -> str:
-    """``function (task 'name')``: what the task runs, by the function the caller wrote."""
-    return f"{_function_of(task)} (task {task.get_name()!r})"
+def describe_task(task: Task, fn: Any = None) -> str:
+    """``function (task 'name')``: what the task runs, by the function the caller wrote
+    (``fn``, where the caller knows it: a call registering now has no record yet)."""
+    name = getattr(fn, "__qualname__", None)
+    if not isinstance(name, str):
+        name = _function_of(task)
+    return f"{name} (task {task.get_name()!r})"
 
 
 def _function_of(task: Task) -> str:
-    """The function the task runs now: that of its innermost turn, else its coroutine's."""
-    chain = list(coroutine_chain(task))
-    for coro in reversed(chain):
-        frame = frame_of(coro)
-        if frame is not None and frame.f_code in _entry_codes:
-            name = getattr(frame.f_locals.get("fn"), "__qualname__", None)
-            if isinstance(name, str):
-                return name
-    return str(getattr(chain[0], "__qualname__", type(chain[0]).__name__)) if chain else "?"
+    """The function the task runs now (or waits to run): that of its innermost turn, else
+    its coroutine's."""
+    name = getattr(function_of(task, fut_waiter(task)), "__qualname__", None)
+    if isinstance(name, str):
+        return name
+    coro = task.get_coro()
+    return str(getattr(coro, "__qualname__", type(coro).__name__))
 
 
-def _describe(task: Task, key: Hashable, steps: list[tuple[Any, Label]]) -> DeadlockError:
+def _describe(
+    task: Task, key: Hashable, steps: list[tuple[Any, Label]], fn: Any = None
+) -> DeadlockError:
     """Name the cycle: ``task`` waits for ``key``, whose holder is ``steps[0]``, back to ``task``.
 
     Futures between two tasks (a gather's, a shield's, a key's waiter) are folded into the
@@ -572,7 +436,11 @@ def _describe(task: Task, key: Hashable, steps: list[tuple[Any, Label]]) -> Dead
             text = f"waits for key {edge[1]!r} held by"
         else:
             text = "awaits" if edge[1] in (None, "awaits") else f"awaits, through {edge[1]},"
-        edges.append(f"{describe_task(source)} {text} {describe_task(node)}")
+        named = (
+            describe_task(source, fn if source is task else None),
+            describe_task(node, fn if node is task else None),
+        )
+        edges.append(f"{named[0]} {text} {named[1]}")
         if node is not task:
             tasks.append(node)
         source, edge = node, ("", None)

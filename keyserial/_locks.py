@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Hashable
-from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ._deadlock import block_entered, block_left, register_holding_code
 from ._errors import check_timeout, closed_error, key_error
-from ._fence import enter_lock_block, exit_lock_block
+from ._turns import BlockTurn, TurnRecord, enter_turn, leave_turn
 
 if TYPE_CHECKING:
     from ._loops import LoopShares
@@ -24,10 +21,11 @@ class SingleKeyLock:
     """What ``KeyedSerialQueue.lock()`` returns: ``key``'s turn, for the block."""
 
     __slots__ = (
-        "_fence_token",
+        "_fn",
         "_group",
         "_key",
         "_max_pending",
+        "_record",
         "_share",
         "_shares",
         "_task",
@@ -41,16 +39,18 @@ class SingleKeyLock:
         timeout: float | None,
         group: Hashable | None,
         max_pending: int | None,
+        fn: Any = None,
     ) -> None:
         check_timeout(timeout)  # refused when the block is made, before anything registers
         self._shares = shares
+        self._fn = fn  # the function the block runs (``with_options().run``), for messages
         self._key = key
         self._timeout = timeout
         self._group = group
         self._max_pending = max_pending
         self._share: LoopShare | None = None
         self._task: Task | None = None
-        self._fence_token: Token[Any] | None = None
+        self._record: TurnRecord | None = None
 
     async def __aenter__(self) -> None:
         if self._share is not None:
@@ -67,15 +67,13 @@ class SingleKeyLock:
             share.holders[key] = task
         else:
             waiter = share.register(
-                key, holder, task, self._timeout, self._max_pending, self._group
+                key, holder, task, self._timeout, self._max_pending, self._group, self._fn
             )
             if waiter is None:
                 return  # re-entry: the outer turn stays in charge of releasing
-            await share.await_turn(key, waiter, task)
+            await share.await_turn(key, waiter, task, self._fn)
         self._share, self._task = share, task
-        block_entered(task)
-        owner = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the block's coroutine
-        self._fence_token = enter_lock_block(owner, lambda: share.fence_for((key,)))
+        self._record = enter_turn(task, BlockTurn(share), (key,), self._fn)
 
     async def __aexit__(
         self,
@@ -86,12 +84,8 @@ class SingleKeyLock:
         share, task = self._share, self._task
         if share is not None and task is not None:
             self._share = self._task = None
-            block_left(task)
-            if self._fence_token is not None:
-                exit_lock_block(self._fence_token)
-                self._fence_token = None
+            if self._record is not None:
+                leave_turn(task, self._record)
+                self._record = None
             share.counts.end(exc)
             share.leave(self._key, task)
-
-
-register_holding_code(SingleKeyLock.__aenter__.__code__)

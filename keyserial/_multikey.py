@@ -10,13 +10,11 @@ waiter; the turn runs once the last of its keys arrives.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Hashable, Iterable, Sequence
-from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from ._deadlock import block_entered, block_left, check_later, check_no_cycle, register_holding_code
+from ._deadlock import check_later, check_no_cycle
 from ._errors import (
     QueueClosed,
     QueueFull,
@@ -24,8 +22,8 @@ from ._errors import (
     key_error,
     safe_repr,
 )
-from ._fence import enter_lock_block, exit_lock_block
 from ._records import KeyState, MultiRegistration, MultiTurn, expire, new_multi_waiter
+from ._turns import BlockTurn, TurnRecord, enter_turn, leave_turn
 
 if TYPE_CHECKING:
     from ._loops import LoopShares
@@ -178,7 +176,7 @@ async def acquire_all(
 class MultiKeyLock:
     """What ``KeyedSerialQueue.lock_all()`` returns: the turns of all ``keys``, for the block."""
 
-    __slots__ = ("_fence_token", "_held", "_keys", "_max_pending", "_shares", "_timeout")
+    __slots__ = ("_held", "_keys", "_max_pending", "_record", "_shares", "_timeout")
 
     def __init__(
         self,
@@ -193,7 +191,7 @@ class MultiKeyLock:
         self._timeout = timeout
         self._max_pending = max_pending
         self._held: tuple[LoopShare, Task, MultiRegistration] | None = None
-        self._fence_token: Token[Any] | None = None
+        self._record: TurnRecord | None = None
 
     async def __aenter__(self) -> None:
         if self._held is not None:
@@ -201,9 +199,7 @@ class MultiKeyLock:
         share, task = self._shares.running()
         registration = await acquire_all(share, task, self._keys, self._timeout, self._max_pending)
         self._held = (share, task, registration)
-        block_entered(task)
-        owner = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the block's coroutine
-        self._fence_token = enter_lock_block(owner, lambda: share.fence_for(registration.keys))
+        self._record = enter_turn(task, BlockTurn(share), registration.keys)
 
     async def __aexit__(
         self,
@@ -214,12 +210,8 @@ class MultiKeyLock:
         if self._held is not None:
             share, task, registration = self._held
             self._held = None
-            block_left(task)
-            if self._fence_token is not None:
-                exit_lock_block(self._fence_token)
-                self._fence_token = None
+            if self._record is not None:
+                leave_turn(task, self._record)
+                self._record = None
             share.counts.end(exc)
             leave_all(share, registration, task)
-
-
-register_holding_code(acquire_all.__code__)

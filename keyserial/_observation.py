@@ -1,21 +1,24 @@
 """Watching a queue: the observer protocol, and the timing of each observed call.
 
 ``QueueObserver`` is what a user subclasses. A queue made with an ``observer`` or a
-``slow_turn`` threshold is an ``ObservedQueue`` (in ``_queue``): it wraps each call in a
-``Watch`` here, timed from registration to start to finish. A queue made without them
-never runs this code, so its uncontended path pays nothing for it.
+``slow_turn`` threshold keeps a ``Watching`` here; each of its entry points then hands the
+call to one of the ``watched_*`` methods, which wrap it in a ``Watch`` (timed from
+registration to start to finish) and run it through the same entry point of the queue
+without the watching. A queue made without them pays one ``is None`` test per call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from ._errors import QueueClosed, QueueFull, Superseded
+from ._errors import QueueClosed, QueueFull, Superseded, awaitable_result
 from ._protocols import KeyLock
+from ._stats import QueueStats
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -87,6 +90,82 @@ class Watching:
         self.slow_turn = slow_turn
         self.running: set[Watch] = set()
 
+    async def watched_run(
+        self,
+        run: Callable[..., Coroutine[Any, Any, T]],
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> T:
+        """``run(key, fn, args, kwargs)`` (the queue's own, unwatched), watched."""
+        watch = Watch(self, key, function_name(fn))
+        return await watch.watch(run(key, watch.run, (fn, *args), kwargs))
+
+    async def watched_call(
+        self,
+        call: Callable[..., Coroutine[Any, Any, T]],
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        group: Hashable | None,
+    ) -> T:
+        """A ``with_options`` call (the queue's own ``_call``, unwatched), watched."""
+        watch = Watch(self, key, function_name(fn))
+        return await watch.watch(call(key, watch.run, (fn, *args), kwargs, timeout, group))
+
+    async def watched_run_all(
+        self,
+        run_all: Callable[..., Coroutine[Any, Any, T]],
+        keys: tuple[Hashable, ...],
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> T:
+        """``run_all`` (the queue's own, unwatched), watched."""
+        watch = Watch(self, keys, function_name(fn))
+        return await watch.watch(run_all(keys, watch.run, fn, *args, **kwargs))
+
+    def watched_submit(
+        self,
+        submit: Callable[..., asyncio.Task[T]],
+        key: Hashable,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        group: Hashable | None,
+    ) -> asyncio.Task[T]:
+        """``submit`` (the queue's own ``_submit``, unwatched), watched."""
+        watch = Watch(self, key, function_name(fn))
+        try:
+            task = submit(key, watch.run_and_finish, (fn, *args), kwargs, timeout, group)
+        except BaseException as exc:
+            watch.finish(exc)
+            raise
+        # A task that ends before its turn (cancelled while waiting) never runs
+        # run_and_finish's report: this callback reports it.
+        task.add_done_callback(
+            lambda done: watch.finish(
+                asyncio.CancelledError() if done.cancelled() else done.exception()
+            )
+        )
+        return task
+
+    def with_longest_running(
+        self, stats: QueueStats, loop: asyncio.AbstractEventLoop | None
+    ) -> QueueStats:
+        """``stats`` with ``longest_running`` exact: every watched turn on ``loop`` is timed."""
+        watches = [w for w in self.running if w.started is not None and w.loop is loop]
+        if not watches:
+            return stats
+        now = watches[0].loop.time()
+        longest = max(watches, key=lambda w: now - w.started)  # type: ignore[operator]
+        running = (longest.key, now - longest.started)  # type: ignore[operator]
+        return dataclasses.replace(stats, longest_running=running)
+
     def notify(self, hook: str, *args: Any) -> None:
         """Call the observer's ``hook``; a failing observer is logged, never raised."""
         if self.observer is None:
@@ -151,7 +230,7 @@ class Watch:
     async def run(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn`` as the watched call's turn."""
         self.start()
-        return await fn(*args, **kwargs)
+        return await awaitable_result(fn, fn(*args, **kwargs))
 
     async def run_and_finish(
         self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs
@@ -163,7 +242,7 @@ class Watch:
         """
         self.start()
         try:
-            result = await fn(*args, **kwargs)
+            result = await awaitable_result(fn, fn(*args, **kwargs))
         except BaseException as exc:
             self.finish(exc)
             raise

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 from ._errors import awaitable_result, check_function, check_timeout, warn_deprecated_call
-from ._protocols import KeyLock
+from ._keylock import KeyLock
 
 T = TypeVar("T")
 P = ParamSpec("P")

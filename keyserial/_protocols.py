@@ -8,31 +8,15 @@ implements ``SerialQueue``; those that can hold several keys at once also implem
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, runtime_checkable
+from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
-if TYPE_CHECKING:
-    from ._options import WaitOptions
+from ._keylock import KeyLock
+from ._options import WaitOptions
+
+__all__ = ["KeyLock", "MultiKeySerialQueue", "SerialQueue"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
-
-
-class KeyLock(Protocol):
-    """What ``lock()`` and ``lock_all()`` return: an async context manager holding turns.
-
-    Entering waits for the turn (or turns) and holds it for the block; leaving the block,
-    whether it returned or raised, gives the turn on. One object is entered once at a time.
-    """
-
-    async def __aenter__(self) -> None: ...
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None: ...
 
 
 class SerialQueue(Protocol):

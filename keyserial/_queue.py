@@ -7,21 +7,18 @@ The work behind them lives in the modules they call: registration and hand-off i
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from _thread import get_ident
-from asyncio import Future
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from inspect import isawaitable
 from typing import Any, ParamSpec, TypeVar
 
-from ._deadlock import register_entry_code, register_waiting_code
+from ._asyncio_internals import loop_thread_id
 from ._errors import (
     awaitable_result,
     check_function,
     key_error,
     not_awaitable,
 )
-from ._fence import register_fence_reader
 from ._locks import SingleKeyLock
 from ._loops import (
     LoopShares,
@@ -33,12 +30,13 @@ from ._loops import (
     task_of,
 )
 from ._multikey import MultiKeyLock, acquire_all, leave_all
-from ._observation import ObservedLock, QueueObserver, Watch, Watching, function_name
+from ._observation import ObservedLock, QueueObserver, Watching
 from ._options import MultiKeyWaitOptions, deprecated_call
 from ._protocols import KeyLock
-from ._records import KeyState
+from ._share import LoopShare
 from ._stats import QueueStats, snapshot
-from ._submit import Submission, submit
+from ._submit import submit
+from ._turns import RUNNING, enter_turn, leave_turn, restore
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -104,21 +102,7 @@ class KeyedSerialQueue:
         ```
     """
 
-    __slots__ = ("_max_pending", "_shares")
-
-    def __new__(
-        cls,
-        max_pending: int | None = None,
-        *,
-        detect_deadlocks: bool = True,
-        count_calls: bool = False,
-        observer: QueueObserver | None = None,
-        slow_turn: float | None = None,
-    ) -> KeyedSerialQueue:
-        if cls is KeyedSerialQueue and (observer is not None or slow_turn is not None):
-            # Only an observed queue times calls: a plain queue's hot path stays untouched.
-            cls = ObservedQueue
-        return object.__new__(cls)
+    __slots__ = ("_max_pending", "_shares", "_unwatched", "_watching")
 
     def __init__(
         self,
@@ -132,8 +116,19 @@ class KeyedSerialQueue:
         bad = isinstance(max_pending, bool) or not isinstance(max_pending, (int, type(None)))
         if bad or (max_pending is not None and max_pending < 1):
             raise ValueError(f"max_pending must be None or an int >= 1, got {max_pending!r}")
+        if slow_turn is not None and not slow_turn > 0:
+            raise ValueError(f"slow_turn must be None or a number > 0, got {slow_turn!r}")
         self._max_pending = max_pending
         self._shares = LoopShares(detect_deadlocks, count_calls)
+        # An observed queue (observer or slow_turn): every entry point watches the call and
+        # runs it through _unwatched, this same queue (same shares) without the watching.
+        self._watching: Watching | None = None
+        self._unwatched = self
+        if observer is not None or slow_turn is not None:
+            unwatched = object.__new__(KeyedSerialQueue)
+            unwatched._max_pending, unwatched._shares = max_pending, self._shares
+            unwatched._watching, unwatched._unwatched = None, unwatched
+            self._watching, self._unwatched = Watching(observer, slow_turn), unwatched
 
     @property
     def max_pending(self) -> int | None:
@@ -239,7 +234,10 @@ class KeyedSerialQueue:
         """
         share = self._shares.inspected()
         now = share.loop.time() if share.loop is not None else 0.0
-        return snapshot(share.holders, share.counts, now)
+        stats = snapshot(share.holders, share.counts, now)
+        if self._watching is not None:  # every running turn is timed: exact longest_running
+            return self._watching.with_longest_running(stats, share.loop)
+        return stats
 
     def __len__(self) -> int:
         """Number of keys with registered work in the running loop's share."""
@@ -354,8 +352,14 @@ class KeyedSerialQueue:
             ```
         """
         check_function(fn, "run_all")
+        if self._watching is not None:  # an observed queue: the same body, watched
+            keys = tuple(keys)
+            return await self._watching.watched_run_all(
+                self._unwatched.run_all, keys, fn, args, kwargs
+            )
         share, task = self._shares.running()
         registration = await acquire_all(share, task, keys, None, self._max_pending)
+        record = enter_turn(task, share, registration.keys, fn)
         error: BaseException | None = None
         try:
             return await awaitable_result(fn, fn(*args, **kwargs))
@@ -363,6 +367,7 @@ class KeyedSerialQueue:
             error = exc
             raise
         finally:
+            leave_turn(task, record)
             share.counts.end(error)
             leave_all(share, registration, task)
 
@@ -391,6 +396,9 @@ class KeyedSerialQueue:
 
             ```
         """
+        if self._watching is not None:
+            keys = tuple(keys)
+            return ObservedLock(self._watching, keys, self._unwatched.lock_all(keys, timeout))
         return MultiKeyLock(self._shares, keys, timeout, self._max_pending)
 
     def submit(
@@ -436,6 +444,10 @@ class KeyedSerialQueue:
         timeout: float | None,
         group: Hashable | None,
     ) -> asyncio.Task[T]:
+        if self._watching is not None:  # an observed queue: the same body, watched
+            return self._watching.watched_submit(
+                self._unwatched._submit, key, fn, args, kwargs, timeout, group
+            )
         share = self._shares.of(running_loop())
         return submit(share, key, fn, args, kwargs, self._max_pending, timeout, group)
 
@@ -470,6 +482,8 @@ class KeyedSerialQueue:
 
             ```
         """
+        if self._watching is not None:
+            return ObservedLock(self._watching, key, self._unwatched.lock(key, timeout, group))
         return SingleKeyLock(self._shares, key, timeout, group, self._max_pending)
 
     async def run(
@@ -498,15 +512,17 @@ class KeyedSerialQueue:
 
             ```
         """
-        # A contract with code that reads this frame (registered at the end of this module):
-        # the locals ``share``, ``key``, ``fn``, ``waiter`` and ``since`` are read by name by
-        # current_fence(), the deadlock check and stats(). Renaming one breaks them; the
-        # fence, deadlock and stats tests say so.
+        # The turn and the wait are recorded in keyserial._turns (RUNNING, WAITING): that is
+        # all that current_fence(), the deadlock check and stats() read of this call.
         if not callable(fn):
             check_function(fn, "run")
+        if self._watching is not None:  # an observed queue: the same body, watched
+            return await self._watching.watched_run(
+                self._unwatched._run_packed, key, fn, args, kwargs
+            )
         share = self._shares.cached
         loop = share.thread_loop  # None but where the thread tells the loop (see LoopShares.of)
-        if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
+        if loop is None or loop_thread_id(loop) != get_ident():
             try:
                 loop = get_running_loop()
             except RuntimeError:
@@ -526,33 +542,12 @@ class KeyedSerialQueue:
             raise key_error(key, exc) from exc
         if holder is None:
             holders[key] = task  # the uncontended path: one dict entry, nothing else
-        else:
-            if (  # anything but the commonest case goes to register(): see quick_waits
-                type(holder) is not KeyState
-                or not share.quick_waits
-                or holder.holder is task
-                or getattr(holder.holder, "_fut_waiter", True) is not None  # not running
-                or loop._task_factory is not None  # type: ignore[attr-defined]
-                or self._max_pending is not None
-            ):
-                waiter = share.register(key, holder, task, None, self._max_pending)
-                if waiter is None:  # re-entry: run inside the turn this task holds
-                    return await awaitable_result(fn, fn(*args, **kwargs))
-            else:  # queued as register() would, a frame fewer (no new local)
-                waiter = share.new_future()
-                holder.pending += 1
-                holder.waiters.append(waiter)
-            since = share.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
-            try:
-                granted = await waiter
-            except BaseException:
-                share.give_up(key, waiter)
-                raise
-            if granted is True and type(waiter) is Future:  # take_turn, without its frame
-                state: KeyState = holders[key]  # type: ignore[assignment]
-                state.holder, state.since = task, share.clock()
-            else:
-                share.take_turn(key, waiter, task)
+        elif not await share.queue_for(key, holder, task, fn, self._max_pending):
+            return await reentered(share, task, key, fn, args, kwargs)  # this task holds key
+        # The turn's record (see keyserial._turns.enter_turn, written out here).
+        running = RUNNING
+        outer = running.get(task)
+        running[task] = (outer, share, (key,), fn)
         result: Any = UNCALLED  # what fn returned, for the error if it cannot be awaited
         try:
             if kwargs:
@@ -570,6 +565,10 @@ class KeyedSerialQueue:
                 raise not_awaitable(fn, result) from None
             raise
         finally:
+            if outer is None:  # keyserial._turns.leave_turn, written out here
+                del running[task]
+            else:
+                restore(task, outer)
             try:
                 held = holders.pop(key)
             except Exception as exc:  # the key broke during the turn: never leave it stuck
@@ -593,15 +592,17 @@ class KeyedSerialQueue:
         more than the copy costs a reader. tests/test_twins.py keeps the two bodies identical,
         and the behaviour suites run over both (tests/conftest.py).
         """
-        # A contract with code that reads this frame (registered at the end of this module):
-        # the locals ``share``, ``key``, ``fn``, ``waiter`` and ``since`` are read by name by
-        # current_fence(), the deadlock check and stats(). Renaming one breaks them; the
-        # fence, deadlock and stats tests say so.
+        # The turn and the wait are recorded in keyserial._turns (RUNNING, WAITING): that is
+        # all that current_fence(), the deadlock check and stats() read of this call.
         if not callable(fn):
             check_function(fn, "run")
+        if self._watching is not None:  # an observed queue: the same body, watched
+            return await self._watching.watched_run(
+                self._unwatched._run_packed, key, fn, args, kwargs
+            )
         share = self._shares.cached
         loop = share.thread_loop  # None but where the thread tells the loop (see LoopShares.of)
-        if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
+        if loop is None or loop_thread_id(loop) != get_ident():
             try:
                 loop = get_running_loop()
             except RuntimeError:
@@ -621,33 +622,12 @@ class KeyedSerialQueue:
             raise key_error(key, exc) from exc
         if holder is None:
             holders[key] = task  # the uncontended path: one dict entry, nothing else
-        else:
-            if (  # anything but the commonest case goes to register(): see quick_waits
-                type(holder) is not KeyState
-                or not share.quick_waits
-                or holder.holder is task
-                or getattr(holder.holder, "_fut_waiter", True) is not None  # not running
-                or loop._task_factory is not None  # type: ignore[attr-defined]
-                or self._max_pending is not None
-            ):
-                waiter = share.register(key, holder, task, None, self._max_pending)
-                if waiter is None:  # re-entry: run inside the turn this task holds
-                    return await awaitable_result(fn, fn(*args, **kwargs))
-            else:  # queued as register() would, a frame fewer (no new local)
-                waiter = share.new_future()
-                holder.pending += 1
-                holder.waiters.append(waiter)
-            since = share.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
-            try:
-                granted = await waiter
-            except BaseException:
-                share.give_up(key, waiter)
-                raise
-            if granted is True and type(waiter) is Future:  # take_turn, without its frame
-                state: KeyState = holders[key]  # type: ignore[assignment]
-                state.holder, state.since = task, share.clock()
-            else:
-                share.take_turn(key, waiter, task)
+        elif not await share.queue_for(key, holder, task, fn, self._max_pending):
+            return await reentered(share, task, key, fn, args, kwargs)  # this task holds key
+        # The turn's record (see keyserial._turns.enter_turn, written out here).
+        running = RUNNING
+        outer = running.get(task)
+        running[task] = (outer, share, (key,), fn)
         result: Any = UNCALLED  # what fn returned, for the error if it cannot be awaited
         try:
             if kwargs:
@@ -665,6 +645,10 @@ class KeyedSerialQueue:
                 raise not_awaitable(fn, result) from None
             raise
         finally:
+            if outer is None:  # keyserial._turns.leave_turn, written out here
+                del running[task]
+            else:
+                restore(task, outer)
             try:
                 held = holders.pop(key)
             except Exception as exc:  # the key broke during the turn: never leave it stuck
@@ -684,153 +668,44 @@ class KeyedSerialQueue:
         group: Hashable | None,
     ) -> T:
         """``run`` with options (``with_options``): the turn of a ``lock()`` block."""
-        async with SingleKeyLock(self._shares, key, timeout, group, self._max_pending):
+        if self._watching is not None:  # an observed queue: the same body, watched
+            return await self._watching.watched_call(
+                self._unwatched._call, key, fn, args, kwargs, timeout, group
+            )
+        async with SingleKeyLock(self._shares, key, timeout, group, self._max_pending, fn):
             return await awaitable_result(fn, fn(*args, **kwargs))
 
-    call = deprecated_call
-
-
-class ObservedQueue(KeyedSerialQueue):
-    """A keyed serial queue that reports each call to an observer and warns of slow turns.
-
-    Made by ``KeyedSerialQueue(observer=..., slow_turn=...)``; see there.
-    """
-
-    __slots__ = ("_watching",)
-
-    def __init__(
-        self,
-        max_pending: int | None = None,
-        *,
-        detect_deadlocks: bool = True,
-        count_calls: bool = False,
-        observer: QueueObserver | None = None,
-        slow_turn: float | None = None,
-    ) -> None:
-        super().__init__(max_pending, detect_deadlocks=detect_deadlocks, count_calls=count_calls)
-        if slow_turn is not None and not slow_turn > 0:
-            raise ValueError(f"slow_turn must be None or a number > 0, got {slow_turn!r}")
-        self._watching = Watching(observer, slow_turn)
-
-    async def run(
-        self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
-    ) -> T:
-        # One watched path for both ways in: run's copy takes the arguments as they are here.
-        return await self._run_packed(key, fn, args, kwargs)
-
-    async def _run_packed(
+    def call(
         self,
         key: Hashable,
         fn: Callable[..., Awaitable[T]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> T:
-        watch = Watch(self._watching, key, function_name(fn))
-        turn: Awaitable[T] = super()._run_packed(  # pyright: ignore[reportAssignmentType]
-            key, watch.run, (fn, *args), kwargs
-        )
-        return await watch.watch(turn)
+        timeout: float | None = None,
+        group: Hashable | None = None,
+    ) -> Coroutine[Any, Any, T]:
+        """Deprecated: ``queue.with_options(timeout=..., group=...).run(key, fn, *args, **kwargs)``.
 
-    async def _call(
-        self,
-        key: Hashable,
-        fn: Callable[..., Awaitable[T]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        group: Hashable | None,
-    ) -> T:
-        watch = Watch(self._watching, key, function_name(fn))
-        call: Awaitable[T] = super()._call(  # pyright: ignore[reportAssignmentType]
-            key, watch.run, (fn, *args), kwargs, timeout, group
-        )
-        return await watch.watch(call)
-
-    def _submit(
-        self,
-        key: Hashable,
-        fn: Callable[..., Awaitable[T]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        group: Hashable | None,
-    ) -> asyncio.Task[T]:
-        watch = Watch(self._watching, key, function_name(fn))
-        try:
-            task: asyncio.Task[T] = super()._submit(  # pyright: ignore[reportAssignmentType]
-                key, watch.run_and_finish, (fn, *args), kwargs, timeout, group
-            )
-        except BaseException as exc:
-            watch.finish(exc)
-            raise
-        # A task that ends before its turn (cancelled while waiting) never runs
-        # run_and_finish's report: this callback reports it.
-        task.add_done_callback(
-            lambda done: watch.finish(
-                asyncio.CancelledError() if done.cancelled() else done.exception()
-            )
-        )
-        return task
-
-    async def run_all(
-        self,
-        keys: Iterable[Hashable],
-        fn: Callable[P, Awaitable[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> T:
-        keys = tuple(keys)
-        watch = Watch(self._watching, keys, function_name(fn))
-        turn = super().run_all(keys, watch.run, fn, *args, **kwargs)  # type: ignore[arg-type]  # mypy cannot forward P through watch.run
-        return await watch.watch(turn)
-
-    def lock(
-        self, key: Hashable, timeout: float | None = None, group: Hashable | None = None
-    ) -> KeyLock:
-        return ObservedLock(self._watching, key, super().lock(key, timeout, group))
-
-    def lock_all(self, keys: Iterable[Hashable], timeout: float | None = None) -> KeyLock:
-        keys = tuple(keys)
-        return ObservedLock(self._watching, keys, super().lock_all(keys, timeout))
-
-    def stats(self) -> QueueStats:
-        """As [stats][keyserial.KeyedSerialQueue.stats], with every running turn timed exactly."""
-        base = super().stats()
-        share = self._shares.inspected()
-        watches = [
-            w for w in self._watching.running if w.started is not None and w.loop is share.loop
-        ]
-        if not watches:
-            return base
-        now = watches[0].loop.time()
-        longest = max(watches, key=lambda w: now - w.started)  # type: ignore[operator]
-        running = (longest.key, now - longest.started)  # type: ignore[operator]
-        return dataclasses.replace(base, longest_running=running)
+        Warns:
+            DeprecationWarning: always; the call then runs as ``with_options(...).run``.
+        """
+        return deprecated_call(self, key, fn, args, kwargs, timeout, group)
 
 
-def _multi_key_fence(frame: Mapping[str, Any]) -> int | None:
-    return frame["share"].fence_for(frame["registration"].keys)  # type: ignore[no-any-return]
-
-
-def _single_key_fence(frame: Mapping[str, Any]) -> int | None:
-    return frame["share"].fence_for((frame["key"],))  # type: ignore[no-any-return]
-
-
-# Frames of these methods run a turn: current_fence() finds them on the task's await chain,
-# and the deadlock check names a task running one after the function it runs. A run or a
-# call waiting for its turn says in its frame what it waits for (see _waiting).
-register_fence_reader(KeyedSerialQueue.run.__code__, _single_key_fence)
-register_entry_code(KeyedSerialQueue.run.__code__)
-register_waiting_code(KeyedSerialQueue.run.__code__, share_local="share")
-register_fence_reader(KeyedSerialQueue._run_packed.__code__, _single_key_fence)  # pyright: ignore[reportPrivateUsage]
-register_entry_code(KeyedSerialQueue._run_packed.__code__)  # pyright: ignore[reportPrivateUsage]
-register_waiting_code(KeyedSerialQueue._run_packed.__code__, share_local="share")  # pyright: ignore[reportPrivateUsage]
-register_entry_code(KeyedSerialQueue._call.__code__)  # pyright: ignore[reportPrivateUsage]
-register_fence_reader(KeyedSerialQueue.run_all.__code__, _multi_key_fence)
-register_entry_code(KeyedSerialQueue.run_all.__code__)
-register_fence_reader(Submission.execute.__code__, _single_key_fence)
-register_entry_code(Submission.execute.__code__)
+async def reentered(
+    share: LoopShare,
+    task: asyncio.Task[Any],
+    key: Hashable,
+    fn: Callable[..., Awaitable[T]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> T:
+    """Run ``fn`` inside the turn of ``key`` that ``task`` already holds (re-entry)."""
+    record = enter_turn(task, share, (key,), fn)
+    try:
+        return await awaitable_result(fn, fn(*args, **kwargs))
+    finally:
+        leave_turn(task, record)
 
 
 _DEFAULT_QUEUE = KeyedSerialQueue()

@@ -23,13 +23,17 @@ from typing import Any
 from ._asyncio_internals import (
     EAGER_NEEDS_FACTORY,
     EAGER_TASKS,
+    fut_waiter,
     has_asyncio_accessors,
+    is_blocked_task,
     is_running,
     is_task,
+    loop_closed,
+    loop_task_factory,
 )
-from ._broken_keys import refused_for_broken_key, remove_broken_key
+from ._broken_keys import broken_key_error, pop_identical, refuse_waiters, refused_for_broken_key
 from ._clock import loop_clock
-from ._deadlock import check_later, check_no_cycle, register_waiting_code
+from ._deadlock import check_later, check_no_cycle
 from ._errors import BrokenKeyError, QueueFull, Superseded, closed_error, safe_repr
 from ._fence import FenceBook
 from ._records import (
@@ -43,6 +47,7 @@ from ._records import (
     is_dead,
     new_waiter,
 )
+from ._turns import WAITING
 
 Task = asyncio.Task[Any]
 
@@ -85,7 +90,8 @@ class LoopShare:
         self.loop = loop
         self.open_loop = loop  # None once closed: see LoopShares.close
         self.clock = loop_clock(loop)
-        # Whether the hand-off reads the loop's _closed and _task_factory itself.
+        # Whether the hand-off may read the loop's fields through the C getters of
+        # _asyncio_internals instead of calling its Python methods.
         self.accessors_inline = has_asyncio_accessors(loop)
         # A waiter's future, on this loop (only ever called while it runs).
         self.new_future: Callable[[], Future[Any]] = (
@@ -93,7 +99,7 @@ class LoopShare:
         )
         # Whether run() may queue a call without options behind a running holder
         # on an open share themselves, as register() would, a frame fewer: where the loop's
-        # _task_factory is asyncio's field and only a factory starts tasks eagerly. The
+        # task factory is asyncio's field and only a factory starts tasks eagerly. The
         # behaviour suites run with it on and off (tests/conftest.py).
         self.quick_waits = self.accessors_inline and EAGER_NEEDS_FACTORY
         # The loop, where the hot path may find it by its thread (see LoopShares.of); else None.
@@ -130,9 +136,9 @@ class LoopShare:
         held = self.holders.get(key)
         return held.pending if type(held) is KeyState else int(held is not None)
 
-    def fence_for(self, keys: Sequence[Hashable]) -> int | None:
+    def fence_of(self, keys: Sequence[Hashable]) -> int | None:
         """The fence of the running turn holding ``keys`` (see ``FenceBook``)."""
-        fence = self.fences.fence_for(keys)
+        fence = self.fences.fence_of(keys)
         if fence is not None:
             self.attention = True  # the turn's end must drop it
         return fence
@@ -173,14 +179,15 @@ class LoopShare:
         timeout: float | None,
         max_pending: int | None,
         group: Hashable | None = None,
+        fn: Any = None,
     ) -> Wait | None:
         """Register ``owner`` on the busy ``key``; ``None`` if ``owner`` holds it (re-entry).
 
-        The wait of a task without a timeout is an exact future: the frame that awaits it
-        must be registered with `register_waiting_code` and set ``since`` (the clock now)
-        before awaiting it. A call with a ``group`` supersedes the waiting call of the same
+        The wait of a task without a timeout is an exact future: whoever awaits it records
+        what it waits for in ``keyserial._turns.WAITING`` first (`await_turn` does). A call
+        with a ``group`` supersedes the waiting call of the same
         key and group. Raises QueueClosed, QueueFull, or DeadlockError if waiting would
-        close a cycle.
+        close a cycle. ``fn``: the function the call runs, for that error's message.
         """
         holder = held.holder if type(held) is KeyState else held
         if holder is owner:
@@ -202,12 +209,12 @@ class LoopShare:
             # A holder can be mid-step only if tasks start eagerly: that is asked first
             # because testing the holder costs far more (`may_start_eagerly`, inlined: a
             # call here shows in contended traffic; the eager-task tests cover both).
-            if getattr(blocking, "_fut_waiter", None) is not None or (
+            if fut_waiter(blocking) is not None or (
                 EAGER_TASKS
                 and (
                     not EAGER_NEEDS_FACTORY
                     or (
-                        self.loop._task_factory  # type: ignore[union-attr]
+                        loop_task_factory(self.loop)
                         if self.accessors_inline
                         else self.loop.get_task_factory()  # type: ignore[union-attr]
                     )
@@ -216,12 +223,12 @@ class LoopShare:
                 and is_task(blocking)
                 and is_running(blocking)
             ):
-                recheck = check_no_cycle(self, owner, (key,))  # type: ignore[arg-type]
+                recheck = check_no_cycle(self, owner, (key,), fn)  # type: ignore[arg-type]
         state = held if type(held) is KeyState else self.contended(key, held)
         state.pending += 1
         waiter: Wait
         if timeout is None and owner is not NEW_TASK:
-            waiter = self.new_future()  # its frame says what it waits for: see _waiting
+            waiter = self.new_future()  # its awaiter records what it waits for: see _turns
         else:
             waiter = new_waiter(self.loop, self, key, timeout, self.clock())  # type: ignore[arg-type]
         if state.holder is None:
@@ -240,6 +247,50 @@ class LoopShare:
         if recheck:
             check_later(self, owner, (key,), waiter, waiter.set_result)  # type: ignore[arg-type]
         return waiter
+
+    async def queue_for(
+        self,
+        key: Hashable,
+        held: Task | KeyState,
+        task: Task,
+        fn: Any,
+        max_pending: int | None,
+    ) -> bool:
+        """Queue ``task``'s call of ``fn`` on the busy ``key`` and wait until it has the turn.
+
+        ``run()``'s path when the key is busy. False: ``task`` holds the turn already
+        (re-entry; the call runs inside that turn). Raises as `register` does, and
+        whatever interrupted the wait (the call is then withdrawn).
+        """
+        if (  # anything but the commonest case goes to register(): see quick_waits
+            type(held) is not KeyState
+            or not self.quick_waits
+            or held.holder is task
+            or is_blocked_task(held.holder)  # not running
+            or loop_task_factory(self.loop) is not None
+            or max_pending is not None
+        ):
+            waiter = self.register(key, held, task, None, max_pending, None, fn)
+            if waiter is None:
+                return False
+        else:  # queued as register() would, a frame fewer
+            waiter = self.new_future()
+            held.pending += 1
+            held.waiters.append(waiter)
+        WAITING[waiter] = (self, (key,), self.clock(), fn)
+        try:
+            granted = await waiter
+        except BaseException:
+            del WAITING[waiter]
+            self.give_up(key, waiter)
+            raise
+        del WAITING[waiter]
+        if granted is True and type(waiter) is Future:  # take_turn, without its frame
+            state: KeyState = self.holders[key]  # type: ignore[assignment]
+            state.holder, state.since = task, self.clock()
+        else:
+            self.take_turn(key, waiter, task)
+        return True
 
     def admit(
         self, key: Hashable, held: Task | KeyState, max_pending: int | None, group: Hashable | None
@@ -261,15 +312,19 @@ class LoopShare:
 
     # -- ending a wait ------------------------------------------------------------------------
 
-    async def await_turn(self, key: Hashable, waiter: Wait, task: Task) -> None:
-        """Wait for the turn ``waiter`` stands for, then take it (or raise why not)."""
-        # Read off this frame while it waits (keyserial._waiting).
-        since = self.clock()  # noqa: F841  # pyright: ignore[reportUnusedVariable]
+    async def await_turn(self, key: Hashable, waiter: Wait, task: Task, fn: Any = None) -> None:
+        """Wait for the turn ``waiter`` stands for, then take it (or raise why not).
+
+        ``fn``: the function the turn will run, for messages (None for a block).
+        """
+        WAITING[waiter] = (self, (key,), self.clock(), fn)
         try:
             await waiter
         except BaseException:
+            del WAITING[waiter]
             self.give_up(key, waiter)
             raise
+        del WAITING[waiter]
         self.take_turn(key, waiter, task)
 
     def take_turn(self, key: Hashable, waiter: Wait, task: Task) -> None:
@@ -331,7 +386,7 @@ class LoopShare:
         """
         self.holders[key] = state
         loop: Any = self.loop
-        if loop._closed if self.accessors_inline else loop.is_closed():
+        if loop_closed(loop) if self.accessors_inline else loop.is_closed():
             return  # a coroutine finalized after its loop closed: that share is gone
         if self.fences.by_key:  # not bool(self.fences): a __bool__ call costs a frame
             self.drop_fence(key)
@@ -393,9 +448,18 @@ class LoopShare:
             self.release(key, held)  # type: ignore[arg-type]
 
     def remove_broken(self, key: Hashable, error: BaseException) -> BrokenKeyError:
-        """Drop ``key``, whose hash or equality just failed, and refuse its waiting calls."""
-        return remove_broken_key(self, key, error)
+        """Drop ``key``, whose hash or equality just failed, and refuse its waiting calls;
+        the error to raise.
 
-
-# The frame that awaits a lock block's turn says what it waits for (see _waiting).
-register_waiting_code(LoopShare.await_turn.__code__, share_local="self")
+        A key that cannot be looked up any more cannot be handed on either: rather than
+        stay registered for ever, its entry is removed by identity (never compared with
+        another key), and every call waiting for it gets the same error.
+        """
+        broken = broken_key_error(key, error)
+        refuse_waiters(pop_identical(self.holders, key), broken)
+        if self.fences:
+            self.fences.drop_identical(key)
+            self.update_attention()
+        if not self.holders and self.idle_waiters:
+            self.wake_idle()
+        return broken

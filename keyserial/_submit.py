@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from ._deadlock import check_later, check_no_cycle
 from ._errors import DeadlockError, awaitable_result, closed_error, key_error
 from ._records import GRANTED, NEW_TASK, KeyState, Wait, new_waiter
+from ._turns import enter_turn, leave_turn
 
 if TYPE_CHECKING:
     from ._share import LoopShare
@@ -39,13 +40,14 @@ class Submission:
             # Checked now rather than in submit(): by its first step, a holder that submitted
             # this task may already be awaiting it, which is a cycle.
             try:
-                recheck = check_no_cycle(share, task, (key,))
+                recheck = check_no_cycle(share, task, (key,), fn)
             except DeadlockError:
                 share.give_up(key, waiter)
                 raise
             if recheck:
                 check_later(share, task, (key,), waiter, waiter.set_result)
-        await share.await_turn(key, waiter, task)
+        await share.await_turn(key, waiter, task, fn)
+        record = enter_turn(task, share, (key,), fn)
         error: BaseException | None = None
         try:
             return await awaitable_result(fn, fn(*args, **kwargs))
@@ -53,6 +55,7 @@ class Submission:
             error = exc
             raise
         finally:
+            leave_turn(task, record)
             share.counts.end(error)
             try:
                 state = share.holders[key]

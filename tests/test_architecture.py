@@ -41,13 +41,14 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The keyserial modules that ``name`` imports when it runs."""
+def imports_of(name: str, path: Path, known: set[str], type_checking: bool = False) -> set[str]:
+    """The keyserial modules that ``name`` imports when it runs (``type_checking``: and
+    those it imports only for the type checkers)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_checking:
             for branch in node.orelse:
                 visit(branch)
             return
@@ -102,15 +103,18 @@ def test_the_checker_finds_a_cycle() -> None:
 
 
 def test_no_import_cycle_inside_keyserial() -> None:
+    # Imports made only for the type checkers count too: a circle of them is still two
+    # modules that cannot be understood one without the other.
     found = modules()
-    graph = {name: imports_of(name, path, set(found)) for name, path in found.items()}
+    graph = {name: imports_of(name, path, set(found), True) for name, path in found.items()}
     assert graph["keyserial._queue"] >= {"keyserial._multikey", "keyserial._loops"}  # sanity
+    assert graph["keyserial._locks"] >= {"keyserial._share"}  # sanity: a TYPE_CHECKING import
     assert find_cycle(graph) is None
 
 
 def test_leaf_modules_import_nothing_of_keyserial() -> None:
     found = modules()
-    for leaf in ("_records", "_errors", "_protocols", "_asyncio_internals", "_clock"):
+    for leaf in ("_records", "_errors", "_keylock", "_turns", "_asyncio_internals", "_clock"):
         name = f"keyserial.{leaf}"
         assert imports_of(name, found[name], set(found)) == set(), name
 
@@ -120,6 +124,7 @@ def test_the_deadlock_check_imports_only_leaves() -> None:
     name = "keyserial._deadlock"
     assert imports_of(name, found[name], set(found)) <= {
         "keyserial._records",
+        "keyserial._turns",
         "keyserial._asyncio_internals",
         "keyserial._errors",
     }
@@ -304,14 +309,36 @@ def test_the_checker_finds_private_asyncio_reads() -> None:
 
 
 def test_asyncio_internals_are_read_only_by_the_names_its_module_exports() -> None:
-    from keyserial._asyncio_internals import HOT_PATH_FIELDS
-
     private = _asyncio_private_names()
     assert {"_fut_waiter", "_thread_id", "_ready"} <= private  # sanity: instance fields too
     outside = {
         f"{name}: {field}"
         for name, path in modules().items()
         if name != "keyserial._asyncio_internals"
-        for field in private_asyncio_reads(path.read_text(), private) - HOT_PATH_FIELDS
+        for field in private_asyncio_reads(path.read_text(), private)
     }
     assert outside == set(), "read these through keyserial/_asyncio_internals.py"
+
+
+#: What reading a frame or a coroutine's chain looks like in source.
+_FRAME_READS = re.compile(
+    r"_getframe|f_locals|f_back|f_code|cr_frame|cr_await|gi_frame|gi_yieldfrom"
+)
+
+
+def test_frames_are_read_only_in_the_asyncio_internals_module() -> None:
+    # keyserial keeps its turns and waits in records (keyserial._turns); only asyncio's own
+    # helpers are read off their frames and coroutines, in one module.
+    found = [
+        f"{name}:{number}: {line.strip()}"
+        for name, path in modules().items()
+        if name != "keyserial._asyncio_internals"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if _FRAME_READS.search(line)
+    ]
+    assert found == []
+
+
+def test_the_frame_check_sees_a_frame_read() -> None:
+    assert _FRAME_READS.search("frame = sys._getframe(1)")
+    assert _FRAME_READS.search("names = frame.f_locals")

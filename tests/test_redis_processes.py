@@ -75,7 +75,8 @@ class Arrivals:
         self.sha = LuaScript(_redis_scripts.ACQUIRE).sha
         self.client.script_load(_redis_scripts.ACQUIRE)  # so that every request is an EVALSHA
         self.commands: list[str] = []
-        self.monitor = self.client.monitor()  # type: ignore[no-untyped-call]
+        # Any: some redis-py releases type the monitor's connection as Optional.
+        self.monitor: Any = self.client.monitor()  # type: ignore[no-untyped-call]
         self.monitor.connection.send_command("MONITOR")
         self.monitor.connection.read_response()  # "OK": watching from here on
         self.thread = threading.Thread(target=self._read, daemon=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from keyserial import KeyedSerialQueue, serialized
+from keyserial import KeyedSerialQueue, QueueObserver, serialized
 from keyserial.postgres import PostgresKeyedQueue
 from keyserial.redis import RedisKeyedQueue
 
@@ -429,3 +429,26 @@ async def test_the_queues_public_methods_are_defined_on_its_own_class() -> None:
     public = [name for name in dir(KeyedSerialQueue) if not name.startswith("_")]
     assert public and [name for name in public if name not in vars(KeyedSerialQueue)] == []
     assert [base.__name__ for base in KeyedSerialQueue.__mro__] == ["KeyedSerialQueue", "object"]
+
+
+@pytest.mark.parametrize("observed", [False, True], ids=["plain", "observed"])
+async def test_a_plain_function_gets_the_same_clear_error_with_and_without_an_observer(
+    observed: bool,
+) -> None:
+    # An observed queue runs each call through the same entry points as a plain one; its
+    # watch must not await the function's result before the plain path has checked it.
+    queue = KeyedSerialQueue(observer=QueueObserver()) if observed else KeyedSerialQueue()
+    ways: dict[str, Callable[[], Awaitable[object]]] = {
+        "run": lambda: queue.run("k", plain_save, "k"),  # type: ignore[arg-type]
+        "submit": lambda: queue.submit("k", plain_save, "k"),  # type: ignore[arg-type]
+        "run_all": lambda: queue.run_all(["k", "j"], plain_save, "k"),  # type: ignore[arg-type]
+        "timed run": lambda: queue.with_options(timeout=5).run("k", plain_save, "k"),  # type: ignore[arg-type]
+    }
+    for way, take in ways.items():
+        with pytest.raises(TypeError) as info:
+            await take()
+        message = str(info.value)
+        assert "plain_save returned str 'k', which cannot be awaited" in message, (way, message)
+        assert "async def" in message, (way, message)
+    assert len(queue) == 0
+    assert await queue.run("k", save, "next") == "next"

@@ -2,45 +2,21 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Mapping
-from contextvars import ContextVar, Token
-from types import CodeType, FrameType
 from typing import Any
 
 from psycopg import AsyncConnection
 
 from .._fence import innermost_turn
+from .._turns import OWNER, BlockTurn, TurnRecord
 from ._turn import PgTurn
 
-#: Code objects of the functions that run a turn, with a reader of their frame's turn.
-_readers: dict[CodeType, Callable[[Mapping[str, Any]], PgTurn | None]] = {}
-_blocks: ContextVar[tuple[tuple[FrameType, PgTurn], ...]] = ContextVar(
-    "keyserial_postgres_blocks", default=()
-)
 
-
-def register_connection_code(code: CodeType) -> None:
-    """Declare that a frame running ``code`` holds a turn in its local ``turn``."""
-
-    def read(frame: Mapping[str, Any]) -> PgTurn | None:
-        turn = frame.get("turn")
-        return turn if isinstance(turn, PgTurn) else None
-
-    _readers[code] = read
-
-
-def enter_connection_block(owner: FrameType, turn: PgTurn) -> Token[Any]:
-    """Mark the ``async with`` block of ``owner`` as holding ``turn``."""
-    return _blocks.set((*_blocks.get(), (owner, turn)))
-
-
-def exit_connection_block(token: Token[Any]) -> None:
-    _blocks.reset(token)
-
-
-def _giving(turn: PgTurn) -> Callable[[], PgTurn | None]:
-    return lambda: turn
+def _turn_of(record: TurnRecord) -> PgTurn | None:
+    """The PostgreSQL turn a record stands for (a turn's own, or a block's), if any."""
+    owner = record[OWNER]
+    if type(owner) is BlockTurn:
+        owner = owner.turn
+    return owner if type(owner) is PgTurn else None
 
 
 def connection() -> AsyncConnection[Any]:
@@ -65,8 +41,7 @@ def connection() -> AsyncConnection[Any]:
             )
         ```
     """
-    blocks = {id(frame): _giving(turn) for frame, turn in _blocks.get()}
-    turn = innermost_turn(_readers, blocks, sys._getframe(1))  # pyright: ignore[reportPrivateUsage]
+    turn = innermost_turn(_turn_of)
     if turn is None:
         raise RuntimeError("connection() must be called inside a PostgresKeyedQueue turn")
     return turn.connection

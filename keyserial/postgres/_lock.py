@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Hashable, Mapping
-from contextvars import Token
 from types import TracebackType
 from typing import Any
 
-from .._fence import enter_lock_block, exit_lock_block
 from .._protocols import KeyLock
-from ._connection import enter_connection_block, exit_connection_block
+from .._turns import BlockTurn, TurnRecord, enter_turn, leave_turn
 from ._turn import PgTurn, SessionKeeper
 from ._turns import PostgresTurns
 
@@ -26,11 +23,10 @@ class PostgresLock:
     """
 
     __slots__ = (
-        "_connection_token",
         "_entered",
-        "_fence_token",
         "_keys",
         "_local",
+        "_record",
         "_timeout",
         "_turns",
     )
@@ -47,8 +43,7 @@ class PostgresLock:
         self._keys = keys
         self._timeout = timeout
         self._entered: tuple[Task, PgTurn, SessionKeeper | None] | None = None
-        self._fence_token: Token[Any] | None = None
-        self._connection_token: Token[Any] | None = None
+        self._record: TurnRecord | None = None  # the block's turn, while open
 
     async def __aenter__(self) -> None:
         loop = asyncio.get_running_loop()
@@ -69,9 +64,7 @@ class PostgresLock:
             await self._local.__aexit__(None, None, None)
             raise
         self._entered = (task, turn, keeper)
-        owner = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the block's coroutine
-        self._fence_token = enter_lock_block(owner, lambda: turn.fence)
-        self._connection_token = enter_connection_block(owner, turn)
+        self._record = enter_turn(task, BlockTurn(turn), tuple(self._keys))
 
     async def __aexit__(
         self,
@@ -79,13 +72,10 @@ class PostgresLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._fence_token is not None:
-            exit_lock_block(self._fence_token)
-            self._fence_token = None
-        if self._connection_token is not None:
-            exit_connection_block(self._connection_token)
-            self._connection_token = None
         entered, self._entered = self._entered, None
+        if entered is not None and self._record is not None:
+            leave_turn(entered[0], self._record)
+            self._record = None
         try:
             if entered is not None:
                 task, turn, keeper = entered

@@ -10,16 +10,14 @@ from typing import Any, ParamSpec, TypeVar
 from psycopg_pool import AsyncConnectionPool
 
 from .._errors import awaitable_result, check_function
-from .._fence import register_fence_reader
 from .._options import MultiKeyWaitOptions, deprecated_call
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
 from .._stats import QueueStats
-from ._connection import register_connection_code
+from .._turns import enter_turn, leave_turn
 from ._early import EarlyTurn
 from ._ids import lock_id
 from ._lock import PostgresLock
-from ._turn import PgTurn
 from ._turns import PostgresTurns, turn_error
 
 T = TypeVar("T")
@@ -164,14 +162,17 @@ class PostgresKeyedQueue:
         """Run ``fn`` in a transaction holding ``keys`` (the process's own turn is held)."""
         task: Task = asyncio.current_task()  # type: ignore[assignment]
         turn, keeper = await self._turns.enter(task, keys, deadline, early)
+        record = enter_turn(task, turn, tuple(keys), fn)
         try:
             result = await awaitable_result(fn, fn(*args, **kwargs))
         except BaseException as exc:
+            leave_turn(task, record)
             await self._turns.leave(task, turn, keeper, failed=True)
             error = turn_error(exc, turn, keeper)
             if error is exc:
                 raise
             raise error from exc
+        leave_turn(task, record)
         await self._turns.leave(task, turn, keeper, failed=False)
         return result
 
@@ -339,13 +340,3 @@ class PostgresKeyedQueue:
         """Refuse new work here and wait for the registered work (the pool stays open)."""
         await self._local.aclose()
         await self._turns.early.settle()
-
-
-def _turn_fence(frame: Mapping[str, Any]) -> int | None:
-    turn = frame.get("turn")
-    return turn.fence if isinstance(turn, PgTurn) else None
-
-
-_TURN_CODE = PostgresKeyedQueue._turn.__code__  # pyright: ignore[reportPrivateUsage]
-register_fence_reader(_TURN_CODE, _turn_fence)
-register_connection_code(_TURN_CODE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Hashable
 from typing import Any
 
 from psycopg import AsyncConnection
@@ -23,6 +24,10 @@ class PgTurn:
         self.connection = connection
         self.fence = fence
         self.keys = keys
+
+    def fence_of(self, keys: tuple[Hashable, ...]) -> int | None:
+        """The turn's fence (a record's owner: see keyserial._turns)."""
+        return self.fence
 
 
 class SessionKeeper:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 from ._transport import RedisUnavailable
@@ -26,6 +26,10 @@ class Turn:
         self.fence = fence
         self.asked = asked
         self.lost = False
+
+    def fence_of(self, keys: tuple[Hashable, ...]) -> int | None:
+        """The turn's fence (a record's owner: see keyserial._turns)."""
+        return self.fence
 
 
 #: Renews a turn's lease in Redis until a time: True if renewed, False if it was lost.

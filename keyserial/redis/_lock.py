@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import sys
-from contextvars import Token
 from types import TracebackType
 from typing import Any
 
 from .._cancels import cancel_count, withdraw_cancel
 from .._errors import LeaseLost
-from .._fence import enter_lock_block, exit_lock_block
 from .._protocols import KeyLock
+from .._turns import BlockTurn, TurnRecord, enter_turn, leave_turn
 from ._lease import LeaseKeeper, Turn
 from ._turns import RedisTurns
 
@@ -25,9 +23,9 @@ class RedisLock:
         "_cancels_before",
         "_encoded",
         "_fair",
-        "_fence_token",
         "_keeper",
         "_local",
+        "_record",
         "_task",
         "_timeout",
         "_turn",
@@ -50,7 +48,7 @@ class RedisLock:
         self._turn: Turn | None = None
         self._task: Task | None = None
         self._keeper: LeaseKeeper | None = None
-        self._fence_token: Token[Any] | None = None
+        self._record: tuple[Task, TurnRecord] | None = None  # the block's turn, while open
         self._cancels_before = 0  # the task's pending cancellations when the turn began
 
     def holds(self) -> bool:
@@ -97,9 +95,7 @@ class RedisLock:
             self._cancels_before = cancel_count(task)
         elif early is not None:
             turns.withdraw(early)
-        held = turn
-        owner = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the block's coroutine
-        self._fence_token = enter_lock_block(owner, lambda: held.fence)
+        self._record = (task, enter_turn(task, BlockTurn(turn), (encoded,)))
 
     async def __aexit__(
         self,
@@ -107,9 +103,9 @@ class RedisLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        if self._fence_token is not None:
-            exit_lock_block(self._fence_token)
-            self._fence_token = None
+        if self._record is not None:
+            leave_turn(*self._record)
+            self._record = None
         turn, keeper, task, lost = self._turn, self._keeper, self._task, False
         self._turn = self._keeper = self._task = None
         try:

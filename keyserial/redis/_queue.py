@@ -11,11 +11,10 @@ import redis.asyncio as redis_asyncio
 
 from .._cancels import cancel_count, withdraw_cancel
 from .._errors import LeaseLost, awaitable_result, check_function
-from .._fence import register_fence_reader
 from .._options import WaitOptions, deprecated_call
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
-from ._lease import Turn
+from .._turns import enter_turn, leave_turn
 from ._lock import RedisLock
 from ._names import encode_key, encoded_namespace
 from ._tickets import EarlyTicket
@@ -155,12 +154,17 @@ class RedisKeyedQueue:
         turns = self._turns
         turn = turns.held.get((task, encoded))
         if turn is not None:  # re-entry: the outer turn holds the key
-            return await awaitable_result(fn, fn(*args, **kwargs))
+            record = enter_turn(task, turn, (encoded,), fn)  # its fence is Redis's
+            try:
+                return await awaitable_result(fn, fn(*args, **kwargs))
+            finally:
+                leave_turn(task, record)
         if early is None:
             turn, keeper = await turns.take(encoded, deadline, task)
         else:
             turn, keeper = await turns.take_early(early, encoded, deadline, task)
         before = cancel_count(task)
+        record = enter_turn(task, turn, (encoded,), fn)
         try:
             result = await awaitable_result(fn, fn(*args, **kwargs))
         except asyncio.CancelledError:
@@ -168,6 +172,7 @@ class RedisKeyedQueue:
                 raise LeaseLost(encoded, turn.fence) from None
             raise
         finally:
+            leave_turn(task, record)
             lost = await turns.give_back(encoded, turn, keeper, task)
         if lost:
             raise LeaseLost(encoded, turn.fence)
@@ -296,11 +301,3 @@ class RedisKeyedQueue:
         """
         await self._local.aclose()
         await self._turns.close()
-
-
-def _redis_turn_fence(frame: Mapping[str, Any]) -> int | None:
-    turn = frame.get("turn")
-    return turn.fence if isinstance(turn, Turn) else None
-
-
-register_fence_reader(RedisKeyedQueue._turn.__code__, _redis_turn_fence)  # pyright: ignore[reportPrivateUsage]
