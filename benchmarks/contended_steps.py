@@ -12,8 +12,8 @@ and paired by round, through keyed queues that each do one step more than the on
 * + the holding task: the key's entry is the task holding its turn (what a re-entry and the
   deadlock check are recognised by), a per-key record once a call waits, and the turn
   handed on by a method, as keyserial's share keeps them;
-* + the clock: the registration time, in the waiting frame, and the turn's start, in the
-  record: what ``stats()`` reports ``longest_wait`` and ``longest_running`` from;
+* + the clock: the registration time, taken by the waiting call, and the turn's start, in
+  the per-key record: what ``stats()`` reports ``longest_wait`` and ``longest_running`` from;
 * keyserial's ``run`` itself.
 
 The bare gather and the floor (a bare gather whose calls are each woken once more, as a

@@ -90,8 +90,6 @@ class Target:
 #: Run-to-run noise of a ratio of two timings on a quiet machine (measured: the medians of
 #: separate processes spread by about this much).
 RATIO_NOISE = 0.05
-#: Python versions before 3.12 pay for asyncio's pure-Python parts (see docs/performance.md).
-_OLD_PYTHON = sys.version_info < (3, 12)
 
 
 def _ratio(claim: str, measured: float, limit: float) -> Target:
@@ -109,14 +107,16 @@ def targets(tables: Sequence[Table], waiter_sizes: Sequence[int]) -> list[Target
     results: list[Target] = []
     if "uncontended-distinct-keys" in by_id:
         v = by_id["uncontended-distinct-keys"]
+        # Relaxed when the core began to keep a record of every turn (keyserial._turns):
+        # the record's cost was accepted against reading frames (docs/performance.md).
         results += [
             _ratio(
-                "uncontended run ÷ one asyncio.Lock",
-                v["keyserial"] / v["one asyncio.Lock"],
-                1.0 if _OLD_PYTHON else 0.92,
+                "uncontended run ÷ one asyncio.Lock", v["keyserial"] / v["one asyncio.Lock"], 1.15
             ),
             _ratio(
-                "uncontended run ÷ defaultdict(Lock)", v["keyserial"] / v["defaultdict(Lock)"], 0.6
+                "uncontended run ÷ defaultdict(Lock)",
+                v["keyserial"] / v["defaultdict(Lock)"],
+                0.75,
             ),
         ]
         if "asyncio-keyed-lock" in v:
@@ -148,7 +148,7 @@ def targets(tables: Sequence[Table], waiter_sizes: Sequence[int]) -> list[Target
         v = by_id["contended-100-noop"]
         ratio = v["keyserial"] / v["bare await"]
         results.append(
-            _ratio("gather over 100 keys ÷ bare gather, fn returns at once", ratio, 1.15)
+            _ratio("gather over 100 keys ÷ bare gather, fn returns at once", ratio, 1.25)
         )
     if "loop-after-use" in by_id:
         v = by_id["loop-after-use"]

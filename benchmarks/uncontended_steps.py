@@ -13,8 +13,8 @@ runs that each do one step more than the one before, with the signature of ``run
 * the checks: the same, with the checks ``run`` makes on the way (a closed share, tested
   where the share is found, and a call outside a task) and at the turn's end (a turn
   that needs attention or was contended);
-* a record of the turn: the same, also recording each running turn by its task (key,
-  function, outer turn), the cheapest record that would replace reading ``run``'s frame;
+* a record of the turn: the same, also recording each running turn by its task (outer
+  turn, share, key, function), as ``run`` records it (``keyserial._turns``);
 * keyserial's ``run`` itself.
 
 The three built-up runs never queue: a busy key raises. They exist to be timed here. Each
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from _thread import get_ident
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, ParamSpec, TypeVar
 
@@ -87,11 +86,9 @@ class ThroughLoopShare:
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> T:
         share = self._shares.cached
-        loop = share.thread_loop
-        if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
-            loop = get_running_loop()
-            if share.open_loop is not loop:
-                share = self._shares.of(loop)
+        loop = get_running_loop()
+        if share.open_loop is not loop:
+            share = self._shares.of(loop)
         task = task_of(loop)
         holders = share.holders
         if key in holders:
@@ -116,13 +113,11 @@ class ThroughLoopShareChecked(ThroughLoopShare):
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> T:
         share = self._shares.cached
-        loop = share.thread_loop
-        if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
-            loop = get_running_loop()
-            if share.open_loop is not loop:
-                share = self._shares.of(loop)
-                if share.closed:
-                    raise RuntimeError("closed")
+        loop = get_running_loop()
+        if share.open_loop is not loop:
+            share = self._shares.of(loop)
+            if share.closed:
+                raise RuntimeError("closed")
         task = task_of(loop)
         if task is None:
             raise RuntimeError("not in a task")
@@ -146,10 +141,9 @@ class ThroughLoopShareChecked(ThroughLoopShare):
 
 
 class WithTurnRecord(ThroughLoopShare):
-    """``ThroughLoopShareChecked`` that also records each running turn by its task: the
-    cheapest record that would let ``current_fence()``, the deadlock check and their
-    messages find a task's innermost turn, its key and its function without reading the
-    frames of ``run`` (a tuple per turn, chained to the task's outer turn, in a dict)."""
+    """``ThroughLoopShareChecked`` that also records each running turn by its task, as
+    ``run`` does for ``current_fence()``, the deadlock check and their messages (a tuple
+    per turn, chained to the task's outer turn, in a dict)."""
 
     __slots__ = ("turns",)
 
@@ -161,13 +155,11 @@ class WithTurnRecord(ThroughLoopShare):
         self, key: Hashable, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> T:
         share = self._shares.cached
-        loop = share.thread_loop
-        if loop is None or loop._thread_id != get_ident():  # type: ignore[attr-defined]
-            loop = get_running_loop()
-            if share.open_loop is not loop:
-                share = self._shares.of(loop)
-                if share.closed:
-                    raise RuntimeError("closed")
+        loop = get_running_loop()
+        if share.open_loop is not loop:
+            share = self._shares.of(loop)
+            if share.closed:
+                raise RuntimeError("closed")
         task = task_of(loop)
         if task is None:
             raise RuntimeError("not in a task")
@@ -177,8 +169,8 @@ class WithTurnRecord(ThroughLoopShare):
             raise RuntimeError(f"key {key!r} is busy: this run does not queue")
         holders[key] = task
         turns = self.turns
-        outer = turns.get(task)
-        turns[task] = (key, fn, outer)
+        outer = turns[task] if task in turns else None  # noqa: SIM401  # as run() reads it
+        turns[task] = (outer, share, key, fn)
         try:
             if kwargs:
                 return await fn(*args, **kwargs)

@@ -12,10 +12,6 @@ Fields, read through the functions below unless noted:
     The future a blocked task's innermost ``await`` is parked on (None while it runs). The
     deadlock check and ``current_fence()`` follow it, and the in-process queue tells a
     running holder from a blocked one by it (``fut_waiter``).
-``BaseEventLoop._thread_id``
-    The thread a loop runs in. Before Python 3.12, ``get_running_loop()`` makes a
-    ``getpid()`` system call; ``_queue``'s hot path compares this field with the thread's id
-    instead (``loop_thread_id``, a C getter: cheaper than a function of this module).
 ``BaseEventLoop._task_factory``, ``BaseEventLoop._closed``
     What ``get_task_factory()`` and ``is_closed()`` return, read by ``_queue`` and
     ``_share`` on asyncio's own loops only (``has_asyncio_accessors``), through the C
@@ -68,18 +64,15 @@ from typing import Any, NamedTuple, TypeGuard, cast
 #: The private fields by object, for the test that checks them on each Python release.
 FIELDS: dict[str, tuple[str, ...]] = {
     "asyncio.Task": ("_fut_waiter",),
-    "asyncio.BaseEventLoop": ("_thread_id", "_task_factory", "_closed"),
+    "asyncio.BaseEventLoop": ("_task_factory", "_closed"),
     "asyncio.TaskGroup": ("_tasks",),
 }
 if sys.version_info < (3, 12):
     FIELDS["asyncio.tasks"] = ("_current_tasks",)
 
 #: C getters of the loop's fields for the hot path (``_queue``, ``_share``): calling one
-#: costs less than calling a Python function, and keeps the private names in this module.
-#: ``loop_thread_id`` only on asyncio's own loops where ``LoopShares`` finds the loop by its
-#: thread; the other two where ``has_asyncio_accessors`` says they are what the public
-#: methods return.
-loop_thread_id = operator.attrgetter("_thread_id")
+#: costs less than calling a Python method, and keeps the private names in this module.
+#: Used only where ``has_asyncio_accessors`` says they are what the public methods return.
 loop_task_factory = operator.attrgetter("_task_factory")
 loop_closed = operator.attrgetter("_closed")
 

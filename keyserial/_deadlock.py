@@ -72,13 +72,14 @@ from ._asyncio_internals import (
     fut_waiter,
     is_running,
     is_task,
+    tasks_waiting_for,
     waits_of_future,
     waits_of_task,
     woken_by,
 )
 from ._errors import DeadlockError
 from ._records import KeyHolders, MultiWaiter, TimedWaiter, Waiter
-from ._turns import WAITING, function_of, holds_any
+from ._turns import KEY, OWNER, SINCE, function_of, holds_any, wait_of
 
 
 class TurnWait(NamedTuple):
@@ -94,13 +95,14 @@ def turn_wait_of_task(task: asyncio.Task[Any]) -> TurnWait | None:
     awaited: Any = fut_waiter(task)
     if awaited is None:
         return None
-    return _turn_wait_of_future(awaited)
-
-
-def _turn_wait_of_future(awaited: Any) -> TurnWait | None:
-    record = WAITING.get(awaited)
+    record = wait_of(task, awaited)
     if record is not None:
-        return TurnWait(record[0], record[1], record[2])
+        return TurnWait(record[OWNER], (record[KEY],), record[SINCE])
+    return _carried_wait(awaited)
+
+
+def _carried_wait(awaited: Any) -> TurnWait | None:
+    """What a wait that says it itself (a ``Waiter``) waits for."""
     kind: object = awaited.__class__
     if kind is Waiter or kind is TimedWaiter:
         return TurnWait(awaited.share, (awaited.key,), awaited.since)
@@ -111,8 +113,14 @@ def _turn_wait_of_future(awaited: Any) -> TurnWait | None:
 
 def waited_since(waiter: asyncio.Future[Any]) -> float | None:
     """When the call waiting on ``waiter`` registered; None if no record says so."""
-    found = _turn_wait_of_future(waiter)
-    return None if found is None else found.since
+    found = _carried_wait(waiter)
+    if found is not None:
+        return found.since
+    for task in tasks_waiting_for(waiter):
+        record = wait_of(task, waiter)
+        if record is not None:
+            return float(record[SINCE])
+    return None
 
 
 Task = asyncio.Task[Any]
@@ -405,7 +413,7 @@ def describe_task(task: Task, fn: Any = None) -> str:
 def _function_of(task: Task) -> str:
     """The function the task runs now (or waits to run): that of its innermost turn, else
     its coroutine's."""
-    name = getattr(function_of(task, fut_waiter(task)), "__qualname__", None)
+    name = getattr(function_of(task), "__qualname__", None)
     if isinstance(name, str):
         return name
     coro = task.get_coro()

@@ -95,23 +95,20 @@ def _named_after(method: Any, qualname: str) -> Any:
     return types.MethodType(renamed, owner)
 
 
-def _packing(
+def _renaming(
     run: Callable[..., Coroutine[Any, Any, Any]], qualname: str
 ) -> Callable[..., Coroutine[Any, Any, Any]]:
-    """``run(key, fn, *args, **kwargs)`` called as ``(key, fn, args, kwargs)``, its coroutines
-    renamed ``qualname`` (``_named_after`` cannot: such a ``run`` makes its coroutine in
-    another method)."""
+    """``run``, its coroutines renamed ``qualname`` (``_named_after`` cannot: such a ``run``
+    makes its coroutine in another method)."""
 
-    def packed(
-        key: Hashable, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
+    def renamed(key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         coroutine = run(key, fn, *args, **kwargs)
         # Another queue's run may return an awaitable that is not a coroutine: keep its name.
         with contextlib.suppress(AttributeError, TypeError):
             coroutine.__qualname__ = qualname  # type: ignore[attr-defined]
         return coroutine
 
-    return packed
+    return renamed
 
 
 def _bind_plain_method(self: Any, instance: Any, owner: type | None = None) -> Any:
@@ -179,8 +176,7 @@ def _serialize(
     extract = _make_extractor(key, fn, qualname)
 
     # Every call takes its turn through the queue's own run(), or the run() of a view with
-    # the decorator's options, given the arguments as the decorator holds them (a tuple and a
-    # dict): the in-process queue's copy of run() takes them so, without unpacking them.
+    # the decorator's options, each made once here and renamed after the decorated function.
     run: Callable[..., Coroutine[Any, Any, Any]]
     if coalesce:
         if not isinstance(target, KeyedSerialQueue):
@@ -190,13 +186,13 @@ def _serialize(
             )
         # Calls of this function supersede each other's waiting calls, and no one else's.
         options = target.with_options(timeout=timeout, group=FunctionKey(qualname))
-        run = _packing(options.run, qualname)
+        run = _renaming(options.run, qualname)
     elif timeout is not None:
-        run = _packing(target.with_options(timeout=timeout).run, qualname)
+        run = _renaming(target.with_options(timeout=timeout).run, qualname)
     elif isinstance(target, KeyedSerialQueue):
-        run = _named_after(target._run_packed, qualname)  # pyright: ignore[reportPrivateUsage]
+        run = _named_after(target.run, qualname)
     else:
-        run = _packing(target.run, qualname)
+        run = _renaming(target.run, qualname)
 
     def route(
         wrapped: Callable[..., Coroutine[Any, Any, Any]],
@@ -204,7 +200,7 @@ def _serialize(
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Coroutine[Any, Any, Any]:
-        return run(extract(instance, args, kwargs), wrapped, args, kwargs)
+        return run(extract(instance, args, kwargs), wrapped, *args, **kwargs)
 
     # Where the key sits among a call's positional arguments, when it can be passed so.
     position = (
@@ -227,12 +223,12 @@ def _serialize(
                         raise unhashable_key(qualname, call_key, exc) from exc
                 else:
                     call_key = extract(None, args, kwargs)
-                return run(call_key, fn, args, kwargs)
+                return run(call_key, fn, *args, **kwargs)
 
         else:
 
             def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-                return run(extract(None, args, kwargs), fn, args, kwargs)
+                return run(extract(None, args, kwargs), fn, *args, **kwargs)
 
         if isinstance(fn, types.FunctionType):
             __get__ = _bind_plain_method

@@ -73,7 +73,7 @@ class SingleKeyLock:
                 return  # re-entry: the outer turn stays in charge of releasing
             await share.await_turn(key, waiter, task, self._fn)
         self._share, self._task = share, task
-        self._record = enter_turn(task, BlockTurn(share), (key,), self._fn)
+        self._record = enter_turn(task, BlockTurn(share), key, self._fn)
 
     async def __aexit__(
         self,

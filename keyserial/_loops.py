@@ -13,10 +13,7 @@ reads that dict directly, which is what ``current_task(loop)`` does there.
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import threading
-import weakref
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
@@ -37,25 +34,6 @@ def _select_task_of() -> TaskOf:
 
 task_of: TaskOf = _select_task_of()
 get_running_loop = asyncio.get_running_loop
-
-#: Before Python 3.12, asyncio.get_running_loop() makes a getpid() system call on every
-#: call. A loop whose ``_thread_id`` names this thread is the one running here (a thread
-#: runs one loop at a time), so the hot path reads that instead where it can.
-_LOOP_BY_THREAD = sys.version_info < (3, 12)
-#: The shares whose loop the hot path finds by thread; a forked child must not (see below).
-_BY_THREAD: weakref.WeakSet[LoopShare] = weakref.WeakSet()
-
-
-def _after_fork() -> None:
-    # A child forked while a loop ran keeps that loop's _thread_id, and its thread has the
-    # same id: only get_running_loop(), which compares process ids, can tell that the loop
-    # is not running here. (Python 3.12 and later reset the running loop in the child.)
-    for share in list(_BY_THREAD):
-        share.thread_loop = None
-
-
-if _LOOP_BY_THREAD and hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _async_library() -> str | None:
@@ -129,9 +107,6 @@ class LoopShares:
                 found = self.by_loop[loop] = LoopShare(
                     loop, self.detect_deadlocks, self.count_calls
                 )
-                if _LOOP_BY_THREAD and isinstance(loop, asyncio.BaseEventLoop):
-                    found.thread_loop = loop
-                    _BY_THREAD.add(found)
             self.cached = share = found
         return share
 
@@ -139,10 +114,9 @@ class LoopShares:
         """Close ``loop``'s share for good: it refuses new calls; registered ones still run."""
         share = self.of(loop)
         share.closed = True
-        # run() takes the cached share when its open_loop is the running loop, or
-        # (before 3.12) when its thread_loop runs in this thread: neither test passes now,
-        # so they look the share up and find it closed.
-        share.open_loop = share.thread_loop = None
+        # run() takes the cached share when its open_loop is the running loop: that test
+        # fails now, so it looks the share up and finds it closed.
+        share.open_loop = None
 
     def running(self) -> tuple[LoopShare, asyncio.Task[Any]]:
         """The running loop's share and the current task.

@@ -23,6 +23,7 @@ from ._errors import (
     safe_repr,
 )
 from ._records import KeyState, MultiRegistration, MultiTurn, expire, new_multi_waiter
+from ._share import KeysFence
 from ._turns import BlockTurn, TurnRecord, enter_turn, leave_turn
 
 if TYPE_CHECKING:
@@ -199,7 +200,7 @@ class MultiKeyLock:
         share, task = self._shares.running()
         registration = await acquire_all(share, task, self._keys, self._timeout, self._max_pending)
         self._held = (share, task, registration)
-        self._record = enter_turn(task, BlockTurn(share), registration.keys)
+        self._record = enter_turn(task, BlockTurn(KeysFence(share)), registration.keys)
 
     async def __aexit__(
         self,

@@ -98,9 +98,9 @@ class Watching:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> T:
-        """``run(key, fn, args, kwargs)`` (the queue's own, unwatched), watched."""
+        """``run(key, fn, *args, **kwargs)`` (the queue's own, unwatched), watched."""
         watch = Watch(self, key, function_name(fn))
-        return await watch.watch(run(key, watch.run, (fn, *args), kwargs))
+        return await watch.watch(run(key, watch.run, fn, *args, **kwargs))
 
     async def watched_call(
         self,

@@ -7,12 +7,12 @@ The work behind them lives in the modules they call: registration and hand-off i
 from __future__ import annotations
 
 import asyncio
-from _thread import get_ident
+from asyncio import Future
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from inspect import isawaitable
 from typing import Any, ParamSpec, TypeVar
 
-from ._asyncio_internals import loop_thread_id
+from ._asyncio_internals import EAGER_TASKS, is_blocked_task, loop_task_factory
 from ._errors import (
     awaitable_result,
     check_function,
@@ -33,7 +33,8 @@ from ._multikey import MultiKeyLock, acquire_all, leave_all
 from ._observation import ObservedLock, QueueObserver, Watching
 from ._options import MultiKeyWaitOptions, deprecated_call
 from ._protocols import KeyLock
-from ._share import LoopShare
+from ._records import KeyState
+from ._share import KeysFence, LoopShare
 from ._stats import QueueStats, snapshot
 from ._submit import submit
 from ._turns import RUNNING, enter_turn, leave_turn, restore
@@ -359,7 +360,7 @@ class KeyedSerialQueue:
             )
         share, task = self._shares.running()
         registration = await acquire_all(share, task, keys, None, self._max_pending)
-        record = enter_turn(task, share, registration.keys, fn)
+        record = enter_turn(task, KeysFence(share), registration.keys, fn)
         error: BaseException | None = None
         try:
             return await awaitable_result(fn, fn(*args, **kwargs))
@@ -517,20 +518,16 @@ class KeyedSerialQueue:
         if not callable(fn):
             check_function(fn, "run")
         if self._watching is not None:  # an observed queue: the same body, watched
-            return await self._watching.watched_run(
-                self._unwatched._run_packed, key, fn, args, kwargs
-            )
+            return await self._watching.watched_run(self._unwatched.run, key, fn, args, kwargs)
         share = self._shares.cached
-        loop = share.thread_loop  # None but where the thread tells the loop (see LoopShares.of)
-        if loop is None or loop_thread_id(loop) != get_ident():
-            try:
-                loop = get_running_loop()
-            except RuntimeError:
-                raise no_event_loop() from None
-            if share.open_loop is not loop:  # another loop's share, or a closed one
-                share = self._shares.of(loop)
-                if share.closed:
-                    return await on_closed_share(share, key, fn, args, kwargs)
+        try:
+            loop = get_running_loop()
+        except RuntimeError:
+            raise no_event_loop() from None
+        if share.open_loop is not loop:  # another loop's share, or a closed one
+            share = self._shares.of(loop)
+            if share.closed:
+                return await on_closed_share(share, key, fn, args, kwargs)
         task = task_of(loop)
         if task is None:
             raise outside_task()
@@ -540,14 +537,42 @@ class KeyedSerialQueue:
             holder = holders[key] if key in holders else None  # noqa: SIM401
         except Exception as exc:
             raise key_error(key, exc) from exc
+        # The call's record (see keyserial._turns), written out here: its turn's, or first
+        # its wait's, which becomes its turn's when the turn comes.
+        running = RUNNING
+        # A membership test is cheaper than a get() call when the task holds no turn yet.
+        outer = running[task] if task in running else None  # noqa: SIM401
         if holder is None:
             holders[key] = task  # the uncontended path: one dict entry, nothing else
-        elif not await share.queue_for(key, holder, task, fn, self._max_pending):
-            return await reentered(share, task, key, fn, args, kwargs)  # this task holds key
-        # The turn's record (see keyserial._turns.enter_turn, written out here).
-        running = RUNNING
-        outer = running.get(task)
-        running[task] = (outer, share, (key,), fn)
+            running[task] = (outer, share, key, fn)
+        else:
+            if (  # anything but the commonest case goes to register(): see quick_waits
+                type(holder) is not KeyState
+                or not share.quick_waits
+                or holder.holder is task
+                or is_blocked_task(holder.holder)  # not running
+                or (EAGER_TASKS and loop_task_factory(loop) is not None)
+                or self._max_pending is not None
+            ):
+                waiter = share.register(key, holder, task, None, self._max_pending, None, fn)
+                if waiter is None:  # re-entry: run inside the turn this task holds
+                    return await reentered(share, task, key, fn, args, kwargs)
+            else:  # queued as register() would, a frame fewer (no new local)
+                waiter = share.new_future()
+                holder.pending += 1
+                holder.waiters.append(waiter)
+            running[task] = (outer, share, key, fn, waiter, share.clock())
+            try:
+                granted = await waiter
+            except BaseException:
+                restore(task, outer)
+                share.give_up(key, waiter)
+                raise
+            if granted is True and type(waiter) is Future:  # take_turn, without its frame
+                state: KeyState = holders[key]  # type: ignore[assignment]
+                state.holder, state.since = task, share.clock()
+            else:
+                share.take_turn(key, waiter, task)
         result: Any = UNCALLED  # what fn returned, for the error if it cannot be awaited
         try:
             if kwargs:
@@ -558,86 +583,6 @@ class KeyedSerialQueue:
                 # A plain call makes fn's coroutine in this interpreter loop; an unpacking
                 # one goes through the C call protocol.
                 result = fn()  # type: ignore[call-arg]  # args and kwargs are empty
-            return await result  # type: ignore[no-any-return]
-        except BaseException as exc:
-            share.counts.failure(exc)
-            if type(exc) is TypeError and result is not UNCALLED and not isawaitable(result):
-                raise not_awaitable(fn, result) from None
-            raise
-        finally:
-            if outer is None:  # keyserial._turns.leave_turn, written out here
-                del running[task]
-            else:
-                restore(task, outer)
-            try:
-                held = holders.pop(key)
-            except Exception as exc:  # the key broke during the turn: never leave it stuck
-                raise share.remove_broken(key, exc) from exc
-            if share.attention:
-                share.end_turn(key, held, task)
-            elif held is not task:  # a contended turn: hand it on
-                share.release(key, held)  # type: ignore[arg-type]
-
-    async def _run_packed(
-        self,
-        key: Hashable,
-        fn: Callable[..., Awaitable[T]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> T:
-        """``run(key, fn, *args, **kwargs)`` with the arguments as the decorator holds them.
-
-        A deliberate copy of ``run``'s body (benchmarks: the decorated rows): unpacking the
-        decorator's arguments into ``run`` and packing them again costs every decorated call
-        more than the copy costs a reader. tests/test_twins.py keeps the two bodies identical,
-        and the behaviour suites run over both (tests/conftest.py).
-        """
-        # The turn and the wait are recorded in keyserial._turns (RUNNING, WAITING): that is
-        # all that current_fence(), the deadlock check and stats() read of this call.
-        if not callable(fn):
-            check_function(fn, "run")
-        if self._watching is not None:  # an observed queue: the same body, watched
-            return await self._watching.watched_run(
-                self._unwatched._run_packed, key, fn, args, kwargs
-            )
-        share = self._shares.cached
-        loop = share.thread_loop  # None but where the thread tells the loop (see LoopShares.of)
-        if loop is None or loop_thread_id(loop) != get_ident():
-            try:
-                loop = get_running_loop()
-            except RuntimeError:
-                raise no_event_loop() from None
-            if share.open_loop is not loop:  # another loop's share, or a closed one
-                share = self._shares.of(loop)
-                if share.closed:
-                    return await on_closed_share(share, key, fn, args, kwargs)
-        task = task_of(loop)
-        if task is None:
-            raise outside_task()
-        holders = share.holders
-        try:
-            # A membership test is cheaper than a get() call when the key is free (the usual case).
-            holder = holders[key] if key in holders else None  # noqa: SIM401
-        except Exception as exc:
-            raise key_error(key, exc) from exc
-        if holder is None:
-            holders[key] = task  # the uncontended path: one dict entry, nothing else
-        elif not await share.queue_for(key, holder, task, fn, self._max_pending):
-            return await reentered(share, task, key, fn, args, kwargs)  # this task holds key
-        # The turn's record (see keyserial._turns.enter_turn, written out here).
-        running = RUNNING
-        outer = running.get(task)
-        running[task] = (outer, share, (key,), fn)
-        result: Any = UNCALLED  # what fn returned, for the error if it cannot be awaited
-        try:
-            if kwargs:
-                result = fn(*args, **kwargs)
-            elif args:
-                result = fn(*args)  # kwargs is empty; unpacking it costs
-            else:
-                # A plain call makes fn's coroutine in this interpreter loop; an unpacking
-                # one goes through the C call protocol.
-                result = fn()  # args and kwargs are empty
             return await result  # type: ignore[no-any-return]
         except BaseException as exc:
             share.counts.failure(exc)
@@ -701,7 +646,7 @@ async def reentered(
     kwargs: dict[str, Any],
 ) -> T:
     """Run ``fn`` inside the turn of ``key`` that ``task`` already holds (re-entry)."""
-    record = enter_turn(task, share, (key,), fn)
+    record = enter_turn(task, share, key, fn)
     try:
         return await awaitable_result(fn, fn(*args, **kwargs))
     finally:

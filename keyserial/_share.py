@@ -25,7 +25,6 @@ from ._asyncio_internals import (
     EAGER_TASKS,
     fut_waiter,
     has_asyncio_accessors,
-    is_blocked_task,
     is_running,
     is_task,
     loop_closed,
@@ -47,7 +46,7 @@ from ._records import (
     is_dead,
     new_waiter,
 )
-from ._turns import WAITING
+from ._turns import enter_wait, leave_turn
 
 Task = asyncio.Task[Any]
 
@@ -58,6 +57,18 @@ _FUTURE_FINDS_LOOP_CHEAPLY = sys.version_info >= (3, 12)
 #: Dead waiters (cancelled or timed out) are dropped lazily; the deque is rebuilt once
 #: they outnumber the live ones by this much, so cancelling many stays linear.
 COMPACT_SLACK = 32
+
+
+class KeysFence:
+    """The owner of a multi-key turn's record: the fence of the turn holding all its keys."""
+
+    __slots__ = ("share",)
+
+    def __init__(self, share: LoopShare) -> None:
+        self.share = share
+
+    def fence_of(self, key: Hashable) -> int | None:
+        return self.share.fence_for(key)  # type: ignore[arg-type]  # the keys, as recorded
 
 
 class LoopShare:
@@ -78,7 +89,6 @@ class LoopShare:
         "new_future",
         "open_loop",
         "quick_waits",
-        "thread_loop",
     )
 
     def __init__(
@@ -102,8 +112,6 @@ class LoopShare:
         # task factory is asyncio's field and only a factory starts tasks eagerly. The
         # behaviour suites run with it on and off (tests/conftest.py).
         self.quick_waits = self.accessors_inline and EAGER_NEEDS_FACTORY
-        # The loop, where the hot path may find it by its thread (see LoopShares.of); else None.
-        self.thread_loop: asyncio.AbstractEventLoop | None = None
         #: key -> the task holding its turn, or its KeyState once contended.
         self.holders: dict[Hashable, Task | KeyState] = {}
         self.closed = False
@@ -136,7 +144,11 @@ class LoopShare:
         held = self.holders.get(key)
         return held.pending if type(held) is KeyState else int(held is not None)
 
-    def fence_of(self, keys: Sequence[Hashable]) -> int | None:
+    def fence_of(self, key: Hashable) -> int | None:
+        """The fence of the running turn of ``key`` (a record's owner: see ``_turns``)."""
+        return self.fence_for((key,))
+
+    def fence_for(self, keys: Sequence[Hashable]) -> int | None:
         """The fence of the running turn holding ``keys`` (see ``FenceBook``)."""
         fence = self.fences.fence_of(keys)
         if fence is not None:
@@ -184,7 +196,7 @@ class LoopShare:
         """Register ``owner`` on the busy ``key``; ``None`` if ``owner`` holds it (re-entry).
 
         The wait of a task without a timeout is an exact future: whoever awaits it records
-        what it waits for in ``keyserial._turns.WAITING`` first (`await_turn` does). A call
+        what it waits for in ``keyserial._turns`` first (`await_turn` does). A call
         with a ``group`` supersedes the waiting call of the same
         key and group. Raises QueueClosed, QueueFull, or DeadlockError if waiting would
         close a cycle. ``fn``: the function the call runs, for that error's message.
@@ -248,50 +260,6 @@ class LoopShare:
             check_later(self, owner, (key,), waiter, waiter.set_result)  # type: ignore[arg-type]
         return waiter
 
-    async def queue_for(
-        self,
-        key: Hashable,
-        held: Task | KeyState,
-        task: Task,
-        fn: Any,
-        max_pending: int | None,
-    ) -> bool:
-        """Queue ``task``'s call of ``fn`` on the busy ``key`` and wait until it has the turn.
-
-        ``run()``'s path when the key is busy. False: ``task`` holds the turn already
-        (re-entry; the call runs inside that turn). Raises as `register` does, and
-        whatever interrupted the wait (the call is then withdrawn).
-        """
-        if (  # anything but the commonest case goes to register(): see quick_waits
-            type(held) is not KeyState
-            or not self.quick_waits
-            or held.holder is task
-            or is_blocked_task(held.holder)  # not running
-            or loop_task_factory(self.loop) is not None
-            or max_pending is not None
-        ):
-            waiter = self.register(key, held, task, None, max_pending, None, fn)
-            if waiter is None:
-                return False
-        else:  # queued as register() would, a frame fewer
-            waiter = self.new_future()
-            held.pending += 1
-            held.waiters.append(waiter)
-        WAITING[waiter] = (self, (key,), self.clock(), fn)
-        try:
-            granted = await waiter
-        except BaseException:
-            del WAITING[waiter]
-            self.give_up(key, waiter)
-            raise
-        del WAITING[waiter]
-        if granted is True and type(waiter) is Future:  # take_turn, without its frame
-            state: KeyState = self.holders[key]  # type: ignore[assignment]
-            state.holder, state.since = task, self.clock()
-        else:
-            self.take_turn(key, waiter, task)
-        return True
-
     def admit(
         self, key: Hashable, held: Task | KeyState, max_pending: int | None, group: Hashable | None
     ) -> Wait | None:
@@ -317,14 +285,14 @@ class LoopShare:
 
         ``fn``: the function the turn will run, for messages (None for a block).
         """
-        WAITING[waiter] = (self, (key,), self.clock(), fn)
+        record = enter_wait(task, self, key, fn, waiter, self.clock())
         try:
             await waiter
         except BaseException:
-            del WAITING[waiter]
+            leave_turn(task, record)
             self.give_up(key, waiter)
             raise
-        del WAITING[waiter]
+        leave_turn(task, record)
         self.take_turn(key, waiter, task)
 
     def take_turn(self, key: Hashable, waiter: Wait, task: Task) -> None:

@@ -47,7 +47,7 @@ class Submission:
             if recheck:
                 check_later(share, task, (key,), waiter, waiter.set_result)
         await share.await_turn(key, waiter, task, fn)
-        record = enter_turn(task, share, (key,), fn)
+        record = enter_turn(task, share, key, fn)
         error: BaseException | None = None
         try:
             return await awaitable_result(fn, fn(*args, **kwargs))

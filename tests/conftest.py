@@ -132,14 +132,18 @@ def _through_run(
     return queue.run(key, fn, *args, **kwargs)
 
 
-def _through_packed(
+def _through_a_watch(
     queue: KeyedSerialQueue,
     key: Hashable,
     fn: Callable[..., Awaitable[Any]],
     *args: Any,
     **kwargs: Any,
 ) -> Coroutine[Any, Any, Any]:
-    return queue._run_packed(key, fn, args, kwargs)  # pyright: ignore[reportPrivateUsage]
+    """``queue.run`` as an observed queue runs it: watched by an observer, through ``run``."""
+    from keyserial import QueueObserver
+    from keyserial._observation import Watching
+
+    return Watching(QueueObserver(), None).watched_run(queue.run, key, fn, args, kwargs)
 
 
 def _through_options(
@@ -174,15 +178,15 @@ def _through_run_without_quick_waits(
     return queue.run(key, fn, *args, **kwargs)
 
 
-@pytest.fixture(params=["run", "decorator's copy", "with_options", "run without quick waits"])
+@pytest.fixture(params=["run", "observed", "with_options", "run without quick waits"])
 def run_in_turn(request: pytest.FixtureRequest) -> RunInTurn:
-    """``queue.run`` (the hot path), its copy that the decorator calls, and
+    """``queue.run`` (the hot path), ``run`` as an observed queue calls it (watched), and
     ``queue.with_options().run`` (the path of every call with options) in turn; and ``run``
     with its written-out registration switched off, so that the same suites also cover
     ``LoopShare.register``, the code ``run`` repeats for the commonest case."""
     return {
         "run": _through_run,
-        "decorator's copy": _through_packed,
+        "observed": _through_a_watch,
         "with_options": _through_options,
         "run without quick waits": _through_run_without_quick_waits,
     }[request.param]

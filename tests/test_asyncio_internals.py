@@ -69,7 +69,7 @@ def test_the_wait_helpers_frames_still_hold_what_is_read() -> None:
 
 def test_the_hot_paths_getters_read_the_catalogued_fields() -> None:
     catalogued = {field for fields in internals.FIELDS.values() for field in fields}
-    getters = (internals.loop_thread_id, internals.loop_task_factory, internals.loop_closed)
+    getters = (internals.loop_task_factory, internals.loop_closed)
     read = {repr(getter).split("'")[1] for getter in getters}  # operator.attrgetter('_x')
     assert read <= catalogued
 
@@ -77,11 +77,6 @@ def test_the_hot_paths_getters_read_the_catalogued_fields() -> None:
         loop = asyncio.get_running_loop()
         if not internals.has_asyncio_accessors(loop):
             return  # uvloop: the getters are not used (see LoopShare)
-        import threading
-
-        assert internals.loop_thread_id(loop) == threading.get_ident(), (
-            "BaseEventLoop._thread_id no longer names the running loop's thread"
-        )
         assert internals.loop_task_factory(loop) is loop.get_task_factory(), (
             "BaseEventLoop._task_factory is no longer what get_task_factory() returns"
         )

@@ -67,12 +67,12 @@ def test_the_turn_record_holds_the_innermost_turn_and_nothing_once_it_ends() -> 
         seen: list[Any] = []
 
         async def inner() -> None:
-            seen.append(queue.turns[task][0])
+            seen.append(queue.turns[task][2])
 
         async def outer() -> None:
-            seen.append(queue.turns[task][0])
+            seen.append(queue.turns[task][2])
             await queue.run("inner", inner)
-            seen.append(queue.turns[task][0])
+            seen.append(queue.turns[task][2])
 
         await queue.run("outer", outer)
         assert seen == ["outer", "inner", "outer"]

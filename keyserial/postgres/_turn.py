@@ -25,7 +25,7 @@ class PgTurn:
         self.fence = fence
         self.keys = keys
 
-    def fence_of(self, keys: tuple[Hashable, ...]) -> int | None:
+    def fence_of(self, key: Hashable) -> int | None:
         """The turn's fence (a record's owner: see keyserial._turns)."""
         return self.fence
 

@@ -27,7 +27,7 @@ class Turn:
         self.asked = asked
         self.lost = False
 
-    def fence_of(self, keys: tuple[Hashable, ...]) -> int | None:
+    def fence_of(self, key: Hashable) -> int | None:
         """The turn's fence (a record's owner: see keyserial._turns)."""
         return self.fence
 

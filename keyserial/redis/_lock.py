@@ -95,7 +95,7 @@ class RedisLock:
             self._cancels_before = cancel_count(task)
         elif early is not None:
             turns.withdraw(early)
-        self._record = (task, enter_turn(task, BlockTurn(turn), (encoded,)))
+        self._record = (task, enter_turn(task, BlockTurn(turn), encoded))
 
     async def __aexit__(
         self,

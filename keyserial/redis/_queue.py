@@ -154,7 +154,7 @@ class RedisKeyedQueue:
         turns = self._turns
         turn = turns.held.get((task, encoded))
         if turn is not None:  # re-entry: the outer turn holds the key
-            record = enter_turn(task, turn, (encoded,), fn)  # its fence is Redis's
+            record = enter_turn(task, turn, encoded, fn)  # its fence is Redis's
             try:
                 return await awaitable_result(fn, fn(*args, **kwargs))
             finally:
@@ -164,7 +164,7 @@ class RedisKeyedQueue:
         else:
             turn, keeper = await turns.take_early(early, encoded, deadline, task)
         before = cancel_count(task)
-        record = enter_turn(task, turn, (encoded,), fn)
+        record = enter_turn(task, turn, encoded, fn)
         try:
             result = await awaitable_result(fn, fn(*args, **kwargs))
         except asyncio.CancelledError:
