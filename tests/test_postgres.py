@@ -306,3 +306,22 @@ async def test_the_postgres_mode_fixture_makes_the_queues_it_promises(
     queue = PostgresKeyedQueue(await pools(), namespace="t")
     assert queue.fair is (postgres_mode == "fair")
     assert (os.environ.get("KEYSERIAL_TEST_POSTGRES_FAIR") == "1") is (postgres_mode == "fair")
+
+
+async def test_a_pool_that_is_not_open_gets_an_error_saying_to_open_it(postgres_dsn: str) -> None:
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(postgres_dsn, open=False)
+    queue = PostgresKeyedQueue(pool, namespace="unopened")
+
+    async def work() -> str:
+        return "ran"
+
+    with pytest.raises(RuntimeError, match=r"pool of the queue is not open.*await pool\.open\(\)"):
+        await queue.run("k", work)
+    assert queue.stats().waiting == 0  # nothing left waiting
+    await pool.open()
+    try:
+        assert await queue.run("k", work) == "ran"  # the key was not left stuck
+    finally:
+        await pool.close()
+    with pytest.raises(RuntimeError, match="not open"):
+        await queue.run("k", work)  # closed again: the same clear error

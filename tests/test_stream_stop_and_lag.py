@@ -57,3 +57,31 @@ async def test_lag_counts_unread_messages_while_the_handler_is_busy(clients: Cli
     stream.stop()
     await asyncio.wait_for(running, timeout=10)
     await stream.aclose()
+
+
+async def test_stop_may_be_awaited_and_then_returns_once_run_has_returned(
+    clients: Clients,
+) -> None:
+    stream = KeyedStream(clients(), "awaited-stop", partitions=1, lease=1.0)
+    started, release = asyncio.Event(), asyncio.Event()
+    finished: list[str] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        started.set()
+        await release.wait()
+        finished.append(str(message.key))
+
+    await stream.publish("k", {"n": 1})
+    running = asyncio.create_task(stream.run())
+    await asyncio.wait_for(started.wait(), timeout=10)
+    stopping = asyncio.ensure_future(stream.stop())
+    await asyncio.sleep(0.05)
+    assert not stopping.done()  # the handler still runs: run() is draining
+    release.set()
+    await asyncio.wait_for(stopping, timeout=10)
+    assert finished == ["k"] and running.done()
+    await running
+    await stream.stop()  # not running: returns at once (and is kept for the next run)
+    await asyncio.wait_for(stream.run(), timeout=5)
+    await stream.aclose()

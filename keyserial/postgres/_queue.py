@@ -189,6 +189,7 @@ class PostgresKeyedQueue:
             PostgresUnavailable: the database could not be reached, or the turn's
                 transaction could not be committed (nothing of it was kept).
             DeadlockError: PostgreSQL broke a cycle of turns waiting for each other.
+            RuntimeError: the pool is not open (open it before the first call).
             QueueClosed, QueueFull: as for [KeyedSerialQueue][keyserial.KeyedSerialQueue].
         """
         check_function(fn, "run")

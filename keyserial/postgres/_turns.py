@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import AsyncConnection, sql
 from psycopg.pq import TransactionStatus
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from .._errors import DeadlockError
 from ._early import EarlyTurn, EarlyTurns
@@ -121,6 +121,7 @@ class PostgresTurns:
 
         Raises:
             TimeoutError: the deadline passed (waiting for a connection or for the locks).
+            RuntimeError: the pool is not open (never opened, or closed already).
             PoolExhausted: no connection of the pool came free within the pool's timeout.
             DeadlockError: PostgreSQL's deadlock detector chose this wait.
             PostgresUnavailable: the server could not be reached, or the connection broke.
@@ -130,6 +131,12 @@ class PostgresTurns:
             raise TimeoutError(f"timed out waiting for the turn of {naming(keys)}")
         try:
             connection = await self.pool.getconn(timeout=wait)
+        except PoolClosed as exc:
+            raise RuntimeError(
+                f"the connection pool of the queue is not open ({exc}): open it before the "
+                "first call, with 'await pool.open()' or 'async with AsyncConnectionPool(...) "
+                "as pool', and close it only after the queue's last call"
+            ) from exc
         except PoolTimeout as exc:
             if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError(

@@ -10,7 +10,7 @@ import math
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Hashable, Mapping
 from typing import Any, TypeVar
 
 import redis.asyncio as redis_asyncio
@@ -143,6 +143,7 @@ class KeyedStream:
         self._slots: dict[int, _Slot] = {}
         self._stopping: asyncio.Event | None = None
         self._stop_asked = False  # stop() called while run() was not running
+        self._ended: asyncio.Future[None] | None = None  # set once the running run() returns
 
     @property
     def partitions(self) -> int:
@@ -268,16 +269,29 @@ class KeyedStream:
             found += await self._source.dead_letters(partition, count)
         return found
 
-    def stop(self) -> None:
+    def stop(self) -> Awaitable[None]:
         """Ask ``run()`` to stop reading, let running handlers finish, and return.
+
+        A plain method: calling it is enough, from anywhere in the loop (a signal handler,
+        a handler of the stream). What it returns may also be awaited, from outside the
+        stream's handlers: ``await stream.stop()`` returns once ``run()`` has drained and
+        returned (at once if it was not running).
 
         A stop asked for while ``run()`` is not running is kept: the next ``run()``
         returns at once (and the stop is used up).
+
+        Example:
+            ```python
+            consuming = asyncio.create_task(stream.run())
+            ...
+            await stream.stop()  # or stream.stop(), then await consuming
+            ```
         """
         if self._stopping is not None:
             self._stopping.set()
         else:
             self._stop_asked = True
+        return _Ended(self._ended)
 
     async def run(self) -> None:
         """Consume until cancelled or ``stop()``: own partitions, run their messages.
@@ -298,6 +312,7 @@ class KeyedStream:
             self._stop_asked = False
             return
         stopping = self._stopping = asyncio.Event()
+        ended = self._ended = asyncio.get_running_loop().create_future()
         queue = KeyedSerialQueue(observer=self._observer)
         try:
             while not stopping.is_set():
@@ -305,8 +320,11 @@ class KeyedStream:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stopping.wait(), self._held_for / 5)
         finally:
-            await self._leave()
-            self._stopping = None
+            try:
+                await self._leave()
+            finally:
+                self._stopping = self._ended = None
+                ended.set_result(None)
 
     async def _rebalance(self, handler: Handler, queue: KeyedSerialQueue) -> None:
         """Renew membership, then start serving the partitions now ours and hand off the rest."""
@@ -388,3 +406,20 @@ class KeyedStream:
     async def aclose(self) -> None:
         """Give back the connections the stream keeps (after ``run()`` returned)."""
         await self._source.aclose()
+
+
+class _Ended:
+    """What ``KeyedStream.stop()`` returns: awaiting it waits until ``run()`` has returned.
+
+    Not a coroutine, so a caller that does not await it leaves no warning behind.
+    """
+
+    __slots__ = ("_ended",)
+
+    def __init__(self, ended: asyncio.Future[None] | None) -> None:
+        self._ended = ended
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if self._ended is not None:
+            # Shielded: a caller cancelled while it waits must not cancel run()'s own future.
+            yield from asyncio.shield(self._ended).__await__()
