@@ -11,6 +11,7 @@ that needs a CDN shows it), and fails when a page has:
 * an image that did not load;
 * a table wider than the page's content column at 1280 px (columns pushed off-screen);
 * a code block whose text is wider than its box at 1280 px (lines cut off behind a scroll bar);
+* a heading wider than the page's content column at 1280 px (an API signature on one line);
 * diagram text (Mermaid) drawn smaller than 11 px at 1280 px.
 
 A full-page screenshot of each page goes to the screenshots folder (git-ignored).
@@ -58,6 +59,13 @@ CHECKS_JS = """
       const widest = lines.reduce((a, b) => (b.length > a.length ? b : a), "").trim();
       const over = code.scrollWidth - pre.clientWidth;
       problems.push(`code block wider than its box (${over} px): ${widest.slice(0, 70)}`);
+    }
+  }
+  for (const heading of document.querySelectorAll("article h1, article h2, article h3, article h4")) {
+    const right = heading.getBoundingClientRect().left + heading.scrollWidth;
+    if (right > limit) {
+      const text = heading.innerText.slice(0, 70).replace(/\\s+/g, " ");
+      problems.push(`heading wider than the page (${Math.round(right - limit)} px): ${text}`);
     }
   }
   if (document.querySelector("article blockquote blockquote")) {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Coroutine, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
 from inspect import isawaitable
 from typing import Any, TypeVar
 
@@ -175,6 +175,43 @@ def not_awaitable(fn: object, result: object) -> TypeError:
         "pass an async def function, or hold the turn around synchronous code with "
         "'async with queue.lock(key): ...'"
     )
+
+
+#: The options of ``with_options``, which ``run`` and ``submit`` pass on to the function.
+_WAIT_OPTIONS = ("timeout", "group")
+
+
+def call_error(fn: object, error: TypeError, kwargs: dict[str, Any]) -> TypeError:
+    """``error``, raised by calling ``fn`` with ``kwargs``; if a keyword it refused is a wait
+    option, a new error saying where the option goes."""
+    refused = [
+        name for name in _WAIT_OPTIONS if name in kwargs and f"argument '{name}'" in str(error)
+    ]
+    if not refused:
+        return error
+    name = getattr(fn, "__qualname__", None) or safe_repr(fn)
+    option = refused[0]
+    return TypeError(
+        f"{error}: run(), submit() and run_all() pass their keyword arguments to {name}; "
+        f"to set the call's {option}, use queue.with_options({option}=...).run(key, fn, ...)"
+    )
+
+
+def called(fn: Callable[..., T], args: Sequence[Any], kwargs: Mapping[str, Any]) -> T:
+    """``fn(*args, **kwargs)``, once it is known to be awaitable.
+
+    Raises:
+        TypeError: what calling ``fn`` raised (naming a wait option it refused, see
+            ``call_error``), or its result cannot be awaited (see ``not_awaitable``).
+    """
+    try:
+        result = fn(*args, **kwargs)
+    except TypeError as exc:
+        error = call_error(fn, exc, dict(kwargs)) if kwargs else exc
+        if error is exc:
+            raise
+        raise error from exc
+    return awaitable_result(fn, result)
 
 
 def awaitable_result(fn: object, result: T) -> T:

@@ -107,7 +107,7 @@ def key_from_function(
         try:
             key = key_fn(*given, **kwargs)
         except TypeError:
-            _raise_if_unbindable(key_fn, func, qualname, given, kwargs, drop)
+            _raise_if_unbindable(key_fn, func, qualname, given, kwargs, drop, at_call=True)
             raise  # the key function's own TypeError
         if hashed:
             try:
@@ -126,8 +126,10 @@ def _raise_if_unbindable(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     dropped_receiver: bool,
+    at_call: bool = False,
 ) -> None:
-    """Raise the error naming both signatures if ``key_fn`` cannot take this call at all."""
+    """Raise the error naming both signatures if ``key_fn`` cannot take this call at all
+    (``at_call``: a real call, whose keyword arguments the error names)."""
     try:
         key_signature = inspect.signature(key_fn)
     except (TypeError, ValueError):
@@ -135,7 +137,10 @@ def _raise_if_unbindable(
     try:
         key_signature.bind(*args, **kwargs)
     except TypeError as exc:
-        raise _mismatch(key_fn, key_signature, func, qualname, exc, dropped_receiver) from None
+        error = _mismatch(key_fn, key_signature, func, qualname, exc, dropped_receiver)
+        if at_call and kwargs:
+            error = _by_keyword(error, key_fn, kwargs)
+        raise error from None
 
 
 def _mismatch(
@@ -157,6 +162,17 @@ def _mismatch(
         f"@serialized on {qualname}: the key function {name}{key_signature} cannot take "
         f"the arguments of {qualname}{inspect.signature(func)} ({error}); {rule}. Give it "
         "the same parameters, or end it with *args, **kwargs"
+    )
+
+
+def _by_keyword(error: TypeError, key_fn: Callable[..., Any], kwargs: dict[str, Any]) -> TypeError:
+    """``error``, saying that the call passed ``kwargs`` by keyword, and what to do."""
+    names = ", ".join(repr(name) for name in kwargs)
+    return TypeError(
+        f"{error}. This call passed {names} by keyword, and the key function gets the "
+        "arguments as the caller wrote them, so it got them by keyword too: name its "
+        "parameters as the decorated function names them, or key by parameter name "
+        '(key="<parameter>"), which reads the key however it is passed'
     )
 
 

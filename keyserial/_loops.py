@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
 from ._asyncio_internals import current_tasks
-from ._errors import awaitable_result, closed_error, key_error
+from ._errors import called, closed_error, key_error
 from ._share import LoopShare
 
 V = TypeVar("V")
@@ -166,4 +166,4 @@ async def on_closed_share(
         raise key_error(key, exc) from exc
     if holder is not task:
         raise closed_error(key)
-    return await awaitable_result(fn, fn(*args, **kwargs))
+    return await called(fn, args, kwargs)

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from ._errors import QueueClosed, QueueFull, Superseded, awaitable_result
+from ._errors import QueueClosed, QueueFull, Superseded, called
 from ._protocols import KeyLock
 from ._stats import QueueStats
 
@@ -230,7 +230,7 @@ class Watch:
     async def run(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn`` as the watched call's turn."""
         self.start()
-        return await awaitable_result(fn, fn(*args, **kwargs))
+        return await called(fn, args, kwargs)
 
     async def run_and_finish(
         self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs
@@ -242,7 +242,7 @@ class Watch:
         """
         self.start()
         try:
-            result = await awaitable_result(fn, fn(*args, **kwargs))
+            result = await called(fn, args, kwargs)
         except BaseException as exc:
             self.finish(exc)
             raise

@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
-from ._errors import awaitable_result, check_function, check_timeout, warn_deprecated_call
+from ._errors import called, check_function, check_timeout, warn_deprecated_call
 from ._keylock import KeyLock
 
 T = TypeVar("T")
@@ -197,7 +197,7 @@ async def _run_holding(
     lock: KeyLock, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> T:
     async with lock:
-        return await awaitable_result(fn, fn(*args, **kwargs))
+        return await called(fn, args, kwargs)
 
 
 class _TakesOptions(Protocol):

@@ -14,7 +14,8 @@ from typing import Any, ParamSpec, TypeVar
 
 from ._asyncio_internals import EAGER_TASKS, is_blocked_task, loop_task_factory
 from ._errors import (
-    awaitable_result,
+    call_error,
+    called,
     check_function,
     key_error,
     not_awaitable,
@@ -363,7 +364,7 @@ class KeyedSerialQueue:
         record = enter_turn(task, KeysFence(share), registration.keys, fn)
         error: BaseException | None = None
         try:
-            return await awaitable_result(fn, fn(*args, **kwargs))
+            return await called(fn, args, kwargs)
         except BaseException as exc:
             error = exc
             raise
@@ -588,6 +589,10 @@ class KeyedSerialQueue:
             share.counts.failure(exc)
             if type(exc) is TypeError and result is not UNCALLED and not isawaitable(result):
                 raise not_awaitable(fn, result) from None
+            if type(exc) is TypeError and result is UNCALLED and kwargs:
+                error = call_error(fn, exc, kwargs)  # fn refused a keyword: a wait option?
+                if error is not exc:
+                    raise error from exc
             raise
         finally:
             if outer is None:  # keyserial._turns.leave_turn, written out here
@@ -618,7 +623,7 @@ class KeyedSerialQueue:
                 self._unwatched._call, key, fn, args, kwargs, timeout, group
             )
         async with SingleKeyLock(self._shares, key, timeout, group, self._max_pending, fn):
-            return await awaitable_result(fn, fn(*args, **kwargs))
+            return await called(fn, args, kwargs)
 
     def call(
         self,
@@ -648,7 +653,7 @@ async def reentered(
     """Run ``fn`` inside the turn of ``key`` that ``task`` already holds (re-entry)."""
     record = enter_turn(task, share, key, fn)
     try:
-        return await awaitable_result(fn, fn(*args, **kwargs))
+        return await called(fn, args, kwargs)
     finally:
         leave_turn(task, record)
 

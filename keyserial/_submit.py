@@ -8,7 +8,7 @@ from types import CoroutineType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ._deadlock import check_later, check_no_cycle
-from ._errors import DeadlockError, awaitable_result, closed_error, key_error
+from ._errors import DeadlockError, called, closed_error, key_error
 from ._records import GRANTED, NEW_TASK, KeyState, Wait, new_waiter
 from ._turns import enter_turn, leave_turn
 
@@ -50,7 +50,7 @@ class Submission:
         record = enter_turn(task, share, key, fn)
         error: BaseException | None = None
         try:
-            return await awaitable_result(fn, fn(*args, **kwargs))
+            return await called(fn, args, kwargs)
         except BaseException as exc:
             error = exc
             raise

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from opentelemetry import metrics
+from ._extras import require_extra
 
-from ._observation import Outcome, QueueObserver
+require_extra("keyserial.otel", "otel", "opentelemetry")
+from opentelemetry import metrics  # noqa: E402
+
+from ._observation import Outcome, QueueObserver  # noqa: E402
 
 __all__ = ["OpenTelemetryObserver"]
 

@@ -38,6 +38,20 @@ def _unavailable(message: str) -> None:
     pytest.skip(message)
 
 
+def cannot_connect(dsn: str, error: Exception) -> str:
+    """Why the tests cannot connect to the server at ``dsn``, named by its real cause."""
+    text = str(error).strip()
+    if "too many clients" in text or getattr(error, "sqlstate", None) == "53300":
+        return (
+            f"the PostgreSQL server at {dsn} is up but refused a connection: too many clients "
+            f"(max_connections reached, by this suite or by something else on the server; "
+            f"SELECT count(*) FROM pg_stat_activity shows them): {text}"
+        )
+    if "Connection refused" in text or "No such file or directory" in text:
+        return f"no PostgreSQL server answers at {dsn} (set KEYSERIAL_TEST_POSTGRES): {text}"
+    return f"cannot connect to the PostgreSQL server at {dsn}: {text}"
+
+
 def with_database(dsn: str, database: str) -> str:
     return make_conninfo(dsn, dbname=database)
 
@@ -49,7 +63,7 @@ def private_database() -> Generator[str, None, None]:
     try:
         admin = psycopg.connect(admin_dsn, autocommit=True, connect_timeout=5)
     except psycopg.OperationalError as exc:
-        _unavailable(f"no PostgreSQL server at {admin_dsn} (set KEYSERIAL_TEST_POSTGRES): {exc}")
+        _unavailable(cannot_connect(admin_dsn, exc))
         raise AssertionError("unreachable") from exc
     name = f"keyserial_test_{secrets.token_hex(6)}"
     with admin:

@@ -61,3 +61,14 @@ def test_the_home_page_links_every_page() -> None:
     from_api = {f"api/{name}" for name in linked(DOCS / "api" / "index.md")}
     assert sorted(pages - {"index.md"} - from_home - from_api) == []
     assert "api/index.md" in from_home
+
+
+def test_the_readmes_docs_command_runs_in_the_venv_its_setup_command_makes() -> None:
+    # Without an activated virtual environment, a bare "mkdocs" is not on the PATH.
+    readme = (DOCS.parent / "README.md").read_text()
+    setup = 'python3 -m venv .venv && .venv/bin/pip install -e ".[test]"'
+    docs = '.venv/bin/pip install -e ".[docs]" && .venv/bin/mkdocs serve'
+    assert setup in readme and docs in readme
+    assert readme.index(setup) < readme.index(docs)
+    pyproject = (DOCS.parent / "pyproject.toml").read_text()
+    assert "\ndocs = [" in pyproject and '"mkdocs' in pyproject

@@ -330,6 +330,7 @@ async def test_a_try_never_reports_a_deadlock_and_leaves_the_queue_as_it_was() -
         ("keyserial.streams", "redis", "redis"),
         ("keyserial.postgres", "psycopg", "postgres"),
         ("keyserial.postgres", "psycopg_pool", "postgres"),
+        ("keyserial.otel", "opentelemetry", "otel"),
     ],
 )
 async def test_a_backend_without_its_driver_names_the_extra_to_install(
@@ -452,3 +453,43 @@ async def test_a_plain_function_gets_the_same_clear_error_with_and_without_an_ob
         assert "async def" in message, (way, message)
     assert len(queue) == 0
     assert await queue.run("k", save, "next") == "next"
+
+
+async def test_a_key_function_that_cannot_take_a_keyword_call_says_the_keyword_was_the_cause() -> (
+    None
+):
+    @serialized(key=lambda s, *args, **kwargs: s)
+    async def save(seg_id: str, text: str) -> None: ...
+
+    with pytest.raises(TypeError) as info:
+        save(seg_id="seg-1", text="hello")  # type: ignore[unused-coroutine]
+    message = str(info.value)
+    assert "This call passed 'seg_id', 'text' by keyword" in message
+    assert 'key by parameter name (key="<parameter>")' in message
+    save("seg-1", "hello").close()  # by position the same function is fine
+
+
+async def test_a_wait_option_given_to_run_points_to_with_options() -> None:
+    queue = KeyedSerialQueue()
+
+    async def save(seg_id: str) -> None: ...
+
+    ways: dict[str, Callable[[], Awaitable[object]]] = {
+        "run": lambda: queue.run("k", save, "k", timeout=1),  # type: ignore[call-arg]
+        "submit": lambda: queue.submit("k", save, "k", timeout=1),  # type: ignore[call-arg]
+        "run_all": lambda: queue.run_all(["k"], save, "k", timeout=1),  # type: ignore[call-arg]
+        "group": lambda: queue.run("k", save, "k", group="g"),  # type: ignore[call-arg]
+    }
+    for way, take in ways.items():
+        with pytest.raises(TypeError) as info:
+            await take()
+        message = str(info.value)
+        assert "unexpected keyword argument" in message, way
+        assert "use queue.with_options(" in message, (way, message)
+        assert isinstance(info.value.__cause__, TypeError), way  # fn's own error, kept
+    assert len(queue) == 0
+
+    async def takes_timeout(seg_id: str, timeout: float) -> float:
+        return timeout
+
+    assert await queue.run("k", takes_timeout, "k", timeout=2) == 2  # fn's own keyword

@@ -9,7 +9,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from psycopg_pool import AsyncConnectionPool
 
-from .._errors import awaitable_result, check_function
+from .._errors import called, check_function
 from .._options import MultiKeyWaitOptions, deprecated_call
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
@@ -164,7 +164,7 @@ class PostgresKeyedQueue:
         turn, keeper = await self._turns.enter(task, keys, deadline, early)
         record = enter_turn(task, turn, tuple(keys), fn)
         try:
-            result = await awaitable_result(fn, fn(*args, **kwargs))
+            result = await called(fn, args, kwargs)
         except BaseException as exc:
             leave_turn(task, record)
             await self._turns.leave(task, turn, keeper, failed=True)

@@ -10,7 +10,7 @@ from typing import Any, ParamSpec, TypeVar
 import redis.asyncio as redis_asyncio
 
 from .._cancels import cancel_count, withdraw_cancel
-from .._errors import LeaseLost, awaitable_result, check_function
+from .._errors import LeaseLost, called, check_function
 from .._options import WaitOptions, deprecated_call
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
@@ -156,7 +156,7 @@ class RedisKeyedQueue:
         if turn is not None:  # re-entry: the outer turn holds the key
             record = enter_turn(task, turn, encoded, fn)  # its fence is Redis's
             try:
-                return await awaitable_result(fn, fn(*args, **kwargs))
+                return await called(fn, args, kwargs)
             finally:
                 leave_turn(task, record)
         if early is None:
@@ -166,7 +166,7 @@ class RedisKeyedQueue:
         before = cancel_count(task)
         record = enter_turn(task, turn, encoded, fn)
         try:
-            result = await awaitable_result(fn, fn(*args, **kwargs))
+            result = await called(fn, args, kwargs)
         except asyncio.CancelledError:
             if turn.lost and withdraw_cancel(task, before):  # the keeper's own cancellation
                 raise LeaseLost(encoded, turn.fence) from None
