@@ -61,7 +61,7 @@ CHECKS_JS = """
       problems.push(`code block wider than its box (${over} px): ${widest.slice(0, 70)}`);
     }
   }
-  for (const heading of document.querySelectorAll("article h1, article h2, article h3, article h4")) {
+  for (const heading of document.querySelectorAll("article :is(h1, h2, h3, h4)")) {
     const right = heading.getBoundingClientRect().left + heading.scrollWidth;
     if (right > limit) {
       const text = heading.innerText.slice(0, 70).replace(/\\s+/g, " ");
