@@ -35,6 +35,5 @@ def test_the_fixture_reports_the_cause_it_met(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(psycopg, "connect", refuse)
     monkeypatch.setenv("CI", "true")  # under CI the fixture fails; elsewhere it skips
-    with pytest.raises(pytest.fail.Exception, match="too many clients"):
-        with private_database():
-            raise AssertionError("unreachable")
+    with pytest.raises(pytest.fail.Exception, match="too many clients"), private_database():
+        raise AssertionError("unreachable")
