@@ -21,15 +21,20 @@ def test_reference_run_is_run_without_the_counting_lines() -> None:
     start = (
         next(i for i, line in enumerate(real) if line.strip() == "share.counts.failure(exc)") - 1
     )
-    clause = [line.strip() for line in real[start : start + 5]]
-    assert clause == [
+    expected = [
         "except BaseException as exc:",
         "share.counts.failure(exc)",
         "if type(exc) is TypeError and result is not UNCALLED and (not isawaitable(result)):",
         "raise not_awaitable(fn, result) from None",
+        "if type(exc) is TypeError and result is UNCALLED and kwargs:",
+        "error = call_error(fn, exc, kwargs)",
+        "if error is not exc:",
+        "raise error from exc",
         "raise",
     ]
-    assert real[:start] + real[start + 5 :] == reference
+    clause = [line.strip() for line in real[start : start + len(expected)]]
+    assert clause == expected
+    assert real[:start] + real[start + len(expected) :] == reference
 
 
 def _instructions_run(queue: KeyedSerialQueue) -> int:
