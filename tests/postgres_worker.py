@@ -90,6 +90,10 @@ async def hold(dsn: str, key: str, lease: float, mode: str = "hold") -> None:
 
         async def turn() -> None:
             conn = connection()
+            if mode == "stop-in-statement":  # the test stops this process during the sleep
+                say("holding")
+                await conn.execute("SELECT pg_sleep(1)")
+                return
             if mode == "sleep":
                 say("holding")
                 await conn.execute("SELECT pg_sleep(60)")
@@ -133,7 +137,7 @@ def main() -> None:
         asyncio.run(log_calls(dsn, int(rest[0]), int(rest[1]), int(rest[2])))
     elif mode == "order":
         asyncio.run(order(dsn, rest[0] == "fair", rest[1:]))
-    elif mode in ("hold", "hold-idle", "sleep"):
+    elif mode in ("hold", "hold-idle", "sleep", "stop-in-statement"):
         asyncio.run(hold(dsn, rest[0], float(rest[1]), mode))
 
 

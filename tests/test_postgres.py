@@ -325,3 +325,21 @@ async def test_a_pool_that_is_not_open_gets_an_error_saying_to_open_it(postgres_
         await pool.close()
     with pytest.raises(RuntimeError, match="not open"):
         await queue.run("k", work)  # closed again: the same clear error
+
+
+async def test_a_table_name_postgresql_would_cut_is_refused_at_construction(pools: Pools) -> None:
+    pool = await pools()
+    longest = "t" * 59  # its sequence, t..._seq, is 63 bytes: what PostgreSQL keeps
+    queue = PostgresKeyedQueue(pool, namespace="names", table=longest)
+
+    async def work() -> int:
+        return current_fence()
+
+    assert await queue.run("k", work) >= 1
+    for table in ("t" * 60, "é" * 30, ""):
+        with pytest.raises(ValueError, match=r"table must be 1 to 59 bytes long.*63 bytes"):
+            PostgresKeyedQueue(pool, namespace="names", table=table)
+    with pytest.raises(ValueError, match="schema must be 1 to 63 bytes"):
+        PostgresKeyedQueue(pool, namespace="names", schema="s" * 64)
+    with pytest.raises(TypeError, match="table must be a str"):
+        PostgresKeyedQueue(pool, namespace="names", table=b"fences")  # type: ignore[arg-type]

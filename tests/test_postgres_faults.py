@@ -179,6 +179,24 @@ async def test_a_holder_stopped_before_its_first_statement_loses_the_key_after_i
         holder.close()
 
 
+async def test_a_holder_stopped_inside_a_statement_past_its_lease_gets_lease_expired(
+    postgres_dsn: str,
+) -> None:
+    holder = Holder(postgres_dsn, "k", 0.5, mode="stop-in-statement")  # SELECT pg_sleep(1)
+    try:
+        assert await holder.line() == "holding"
+        await asyncio.sleep(0.2)  # let the statement start
+        holder.process.send_signal(signal.SIGSTOP)
+        # The statement ends on the server, then the transaction idles past the lease while
+        # the holder is stopped: the server ends the session, and the key passes on.
+        assert await _next_caller_runs(postgres_dsn)
+        holder.process.send_signal(signal.SIGCONT)
+        # Its commit then finds the session gone: the server said why (nothing was kept).
+        assert await holder.line() == "failed: LeaseExpired"
+    finally:
+        holder.close()
+
+
 async def nothing() -> None:
     pass
 

@@ -18,6 +18,7 @@ from .._turns import enter_turn, leave_turn
 from ._early import EarlyTurn
 from ._ids import lock_id
 from ._lock import PostgresLock
+from ._setup import check_names
 from ._turns import PostgresTurns, turn_error
 
 T = TypeVar("T")
@@ -65,7 +66,7 @@ class PostgresKeyedQueue:
         max_pending: per-key bound on this process's running plus waiting calls.
         table: names the fence sequence, ``<table>_seq``, created on first use if missing
             (fences continue above those of a fence table of that name from an earlier
-            version).
+            version). At most 59 bytes, so that the sequence's name fits PostgreSQL's 63.
         schema: the schema of the sequence (by default the connection's search path).
         fair: grant turns across processes in the order the calls reached the server (see
             above). Every process of one queue should use the same setting.
@@ -73,8 +74,9 @@ class PostgresKeyedQueue:
     Raises:
         TypeError: ``pool`` is not a ``psycopg_pool.AsyncConnectionPool``, or
             ``namespace`` is not a ``str``.
-        ValueError: ``namespace`` is empty or contains NUL, or ``lease`` is not a finite number of
-            seconds of at least ``MIN_LEASE``.
+        ValueError: ``namespace`` is empty or contains NUL, ``lease`` is not a finite number of
+            seconds of at least ``MIN_LEASE``, or ``table`` or ``schema`` is empty or longer
+            than PostgreSQL keeps a name (the message says the limit).
 
     Example:
         ```python
@@ -125,6 +127,7 @@ class PostgresKeyedQueue:
             )
         if not isinstance(fair, bool):
             raise TypeError(f"fair must be True or False, not {fair!r}")
+        check_names(table, schema)
         self._namespace = namespace
         self._lease = float(lease)
         self._local = KeyedSerialQueue(max_pending=max_pending)

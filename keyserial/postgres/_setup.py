@@ -23,9 +23,46 @@ _SETUP_LOCK = 0x6B65797365726961  # "keyseria"
 DEFAULT_TABLE = "keyserial_fences"
 
 
+#: The longest identifier PostgreSQL keeps, in bytes (NAMEDATALEN - 1); a longer one is cut.
+MAX_IDENTIFIER = 63
+_SUFFIX = "_seq"
+
+
+def check_names(table: str, schema: str | None) -> None:
+    """Refuse a ``table`` or ``schema`` PostgreSQL would cut short, before anything runs.
+
+    Raises:
+        TypeError: ``table`` is not a str, or ``schema`` is neither None nor a str.
+        ValueError: ``table`` is empty or longer than 59 bytes (its sequence,
+            ``<table>_seq``, must fit PostgreSQL's 63), or ``schema`` is empty or longer
+            than 63 bytes.
+    """
+    if not isinstance(table, str):
+        raise TypeError(f"table must be a str, not {type(table).__name__}")
+    if schema is not None and not isinstance(schema, str):
+        raise TypeError(f"schema must be None or a str, not {type(schema).__name__}")
+    longest = MAX_IDENTIFIER - len(_SUFFIX)
+    if not table or len(table.encode()) > longest:
+        raise ValueError(
+            f"table must be 1 to {longest} bytes long, got {len(table.encode())} "
+            f"({table!r}): the fence sequence is named {table!r} + {_SUFFIX!r}, and "
+            f"PostgreSQL cuts names longer than {MAX_IDENTIFIER} bytes"
+        )
+    if schema is not None and (not schema or len(schema.encode()) > MAX_IDENTIFIER):
+        raise ValueError(
+            f"schema must be 1 to {MAX_IDENTIFIER} bytes long (PostgreSQL cuts longer "
+            f"names), got {len(schema.encode())} ({schema!r})"
+        )
+
+
 def sequence(table: str = DEFAULT_TABLE, schema: str | None = None) -> sql.Identifier:
-    """The fence sequence of a queue made with ``table=`` and ``schema=``: ``<table>_seq``."""
-    return _qualified(table + "_seq", schema)
+    """The fence sequence of a queue made with ``table=`` and ``schema=``: ``<table>_seq``.
+
+    Raises:
+        TypeError, ValueError: as `check_names`.
+    """
+    check_names(table, schema)
+    return _qualified(table + _SUFFIX, schema)
 
 
 def _qualified(name: str, schema: str | None) -> sql.Identifier:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import weakref
 from collections.abc import Coroutine, Hashable, Mapping
 from typing import Any, TypeVar
 
@@ -104,6 +105,13 @@ class PostgresTurns:
         self.held: dict[Task, PgTurn] = {}
         #: The autocommit setting each lent connection had in the pool, restored on return.
         self.autocommit: dict[int, bool] = {}
+        #: Connections this queue has lent, each watched for the server ending its session.
+        self.watched: weakref.WeakSet[AsyncConnection[Any]] = weakref.WeakSet()
+        #: Connections whose session the server ended for sitting idle past the lease, with
+        #: its word for it (see `_watch`).
+        self.timed_out: weakref.WeakKeyDictionary[AsyncConnection[Any], str] = (
+            weakref.WeakKeyDictionary()
+        )
         self.next_fence = sql.SQL("SELECT nextval({})").format(
             sql.Literal(self.sequence.as_string(None))
         )
@@ -154,6 +162,7 @@ class PostgresTurns:
             raise PostgresUnavailable(f"PostgreSQL is unreachable: {unreachable}") from exc
         except psycopg.OperationalError as exc:
             raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
+        self._watch(connection)
         if early is not None:
             early.pid = connection.info.backend_pid
             early.since = loop.time()
@@ -167,6 +176,27 @@ class PostgresTurns:
             await self._discard(connection)
             raise
         return PgTurn(connection, fence, set(keys))
+
+    def _watch(self, connection: AsyncConnection[Any]) -> None:
+        """Note when the server ends ``connection``'s session for idling past the lease.
+
+        The server's FATAL (SQLSTATE 25P03) may arrive while libpq thinks the connection is
+        idle (the process was stopped with a statement's reply in hand); libpq then gives it
+        to the notice handlers, not to the next command, whose failure reads as a lost
+        connection. This handler keeps the server's word for the commit (see `commit`).
+        """
+        self.timed_out.pop(connection, None)  # a new turn on this connection
+        if connection in self.watched:
+            return
+        self.watched.add(connection)
+        reference = weakref.ref(connection)
+
+        def on_notice(diagnostic: psycopg.errors.Diagnostic) -> None:
+            watched = reference()
+            if watched is not None and diagnostic.sqlstate == "25P03":
+                self.timed_out[watched] = diagnostic.message_primary or "25P03"
+
+        connection.add_notice_handler(on_notice)
 
     async def _unreachable(self) -> str | None:
         """Why the server cannot be reached, or None if it can (the pool was only full).
@@ -299,7 +329,7 @@ class PostgresTurns:
             await connection.execute("COMMIT")
         except BaseException as exc:
             await self._discard(connection)
-            error = _commit_error(exc)
+            error = _commit_error(exc, self.timed_out.get(connection))
             if error is exc:
                 raise
             raise error from exc
@@ -417,14 +447,19 @@ def _lease_expired(detail: str) -> LeaseExpired:
     )
 
 
-def _commit_error(exc: BaseException) -> BaseException:
+def _commit_error(exc: BaseException, timed_out: str | None = None) -> BaseException:
     """What a failed ``COMMIT`` means for the turn's writes.
 
     Only the server's word counts here: a commit whose reply was lost is in doubt even after
-    a stall, since the keeper's view of the stall is an estimate.
+    a stall, since the keeper's view of the stall is an estimate. ``timed_out``: the server
+    said, in a notice, that it ended the session for idling past the lease.
     """
     if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout):
         return _lease_expired(f"before its commit ({exc})")
+    if timed_out is not None and isinstance(
+        exc, (psycopg.OperationalError, psycopg.InterfaceError)
+    ):
+        return _lease_expired(f"before its commit (the server said: {timed_out})")
     if not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
         return exc
     if exc.sqlstate is not None or isinstance(exc, psycopg.InterfaceError):
