@@ -163,16 +163,16 @@ def is_running(task: asyncio.Task[Any]) -> bool:
     return not task.done() and bool(getattr(task.get_coro(), "cr_running", False))
 
 
-def another_task_mid_step(task: asyncio.Task[Any]) -> bool:
-    """Whether a task other than the running ``task`` is in the middle of a step: the one
-    that started ``task`` eagerly (inside ``create_task``), whose waits are not settled yet.
+def tasks_mid_step(task: asyncio.Task[Any]) -> list[asyncio.Task[Any]]:
+    """The tasks other than the running ``task`` that are in the middle of a step: those that
+    started ``task`` eagerly (inside ``create_task``), whose waits are not settled yet.
 
-    Only a loop that starts tasks eagerly can have one; elsewhere this reads nothing.
+    Only a loop that starts tasks eagerly can have any; elsewhere this reads nothing.
     """
     loop = task.get_loop()
     if not may_start_eagerly(loop):
-        return False
-    return any(other is not task and is_running(other) for other in asyncio.all_tasks(loop))
+        return []
+    return [other for other in asyncio.all_tasks(loop) if other is not task and is_running(other)]
 
 
 def _task_group_tasks(frame: FrameType) -> tuple[Any, ...] | None:

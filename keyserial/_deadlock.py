@@ -68,10 +68,10 @@ from typing import Any, NamedTuple
 
 from ._asyncio_internals import (
     WaitsOn,
-    another_task_mid_step,
     fut_waiter,
     is_running,
     is_task,
+    tasks_mid_step,
     tasks_waiting_for,
     waits_of_future,
     waits_of_task,
@@ -175,7 +175,7 @@ def _stack_holds_nothing(task: Task) -> bool | str:
     or LATER if another task is in the middle of the step that started it."""
     if holds_any(task):
         return False  # the call registering now has no record yet: any record is another's
-    return LATER if another_task_mid_step(task) else True
+    return LATER if tasks_mid_step(task) else True
 
 
 def _suspended_holds_nothing(task: Task, registering: bool = False) -> bool:

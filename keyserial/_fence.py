@@ -12,8 +12,9 @@ Code that works *for* a turn in another task or thread — a child task the hold
 awaits (directly, or through ``gather``, ``TaskGroup``, ``wait``, ``shield``,
 ``wait_for``), or a function the holder awaits in ``asyncio.to_thread`` — finds
 the holder by following who waits for it (``keyserial._asyncio_internals``) and reads
-the holder's records the same way. Carrying the turn in a context variable instead
-would hand a stale fence to a task that outlives the turn.
+the holder's records the same way; a child started eagerly finds it, during its first
+step, as the task in the middle of the step that created it. Carrying the turn in a
+context variable instead would hand a stale fence to a task that outlives the turn.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import concurrent.futures
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
-from ._asyncio_internals import MAX_DEPTH, future_of_thread_work, tasks_waiting_for
+from ._asyncio_internals import MAX_DEPTH, future_of_thread_work, tasks_mid_step, tasks_waiting_for
 from ._turns import TurnRecord, fence_of_record, innermost
 
 V = TypeVar("V")
@@ -129,9 +130,16 @@ def innermost_turn(pick: Callable[[TurnRecord], V | None]) -> V | None:
         task = None
     if task is not None:
         found = innermost(task, pick)
-        if found is not None:
-            return found
-        return _of_waiters(pick, task)
+        if found is None:
+            found = _of_waiters(pick, task)
+        if found is None:
+            # A task started eagerly runs its first step inside its creator's, before the
+            # creator can await it (gather, TaskGroup): the creator works for it meanwhile.
+            for creator in tasks_mid_step(task):
+                found = innermost(creator, pick)
+                if found is not None:
+                    break
+        return found
     future = future_of_thread_work()
     if future is None:
         return None
