@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 from .clock import FakeClockLoop
 from .loops import LOOP_FACTORIES, LoopFactory
-from .postgres_server import private_database
+from .postgres_server import cannot_connect, connection_errors, private_database, unavailable
 from .redis_helpers import Clients
 from .redis_server import RedisServer, redis_server_binary
 
@@ -205,7 +205,7 @@ Pools = Callable[..., Awaitable["AsyncConnectionPool[Any]"]]
 
 @pytest_asyncio.fixture
 async def pools(postgres_dsn: str) -> AsyncIterator[Pools]:
-    from psycopg_pool import AsyncConnectionPool
+    from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
     made: list[AsyncConnectionPool[Any]] = []
 
@@ -216,7 +216,15 @@ async def pools(postgres_dsn: str) -> AsyncIterator[Pools]:
         # Wait for min_size connections: a request that finds none ready makes the pool grow
         # in the background, and a connection still being opened then would read as one
         # the code under test did not give back.
-        await pool.open(wait=True)
+        with connection_errors(pool.name) as errors:
+            try:
+                await pool.open(wait=True)
+            except PoolTimeout as exc:
+                await pool.close()
+                if errors:  # the pool's own word for why it could not connect
+                    unavailable(cannot_connect(postgres_dsn, errors[-1]))
+                raise AssertionError(f"the test pool did not open: {exc}") from exc
+
         made.append(pool)
         return pool
 

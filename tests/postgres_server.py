@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import secrets
 import shutil
@@ -31,7 +32,7 @@ def server_dsn() -> str:
     return os.environ.get("KEYSERIAL_TEST_POSTGRES", DEFAULT_DSN)
 
 
-def _unavailable(message: str) -> None:
+def unavailable(message: str) -> None:
     """A missing server is a failure under CI=true, a skip elsewhere."""
     if os.environ.get("CI") == "true":
         pytest.fail(message)
@@ -52,6 +53,27 @@ def cannot_connect(dsn: str, error: Exception) -> str:
     return f"cannot connect to the PostgreSQL server at {dsn}: {text}"
 
 
+@contextlib.contextmanager
+def connection_errors(pool_name: str) -> Generator[list[Exception], None, None]:
+    """The errors the pool ``pool_name`` met connecting, while the block runs (psycopg_pool
+    logs them and retries; its own timeout then says only that it did not open)."""
+    found: list[Exception] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if f"error connecting in {pool_name!r}" in message:
+                found.append(psycopg.OperationalError(message.partition(": ")[2]))
+
+    handler = Collect(level=logging.WARNING)
+    logger = logging.getLogger("psycopg.pool")
+    logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+
+
 def with_database(dsn: str, database: str) -> str:
     return make_conninfo(dsn, dbname=database)
 
@@ -63,7 +85,7 @@ def private_database() -> Generator[str, None, None]:
     try:
         admin = psycopg.connect(admin_dsn, autocommit=True, connect_timeout=5)
     except psycopg.OperationalError as exc:
-        _unavailable(cannot_connect(admin_dsn, exc))
+        unavailable(cannot_connect(admin_dsn, exc))
         raise AssertionError("unreachable") from exc
     name = f"keyserial_test_{secrets.token_hex(6)}"
     with admin:
@@ -82,7 +104,7 @@ def postgres_binaries() -> str:
     if not found and shutil.which("initdb"):
         found = [shutil.which("initdb") or ""]
     if not found:
-        _unavailable("initdb is not installed (apt-get install postgresql)")
+        unavailable("initdb is not installed (apt-get install postgresql)")
     return os.path.dirname(found[-1])
 
 
