@@ -98,7 +98,8 @@ class Watching:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> T:
-        """``run(key, fn, *args, **kwargs)`` (the queue's own, unwatched), watched."""
+        """``run(key, fn, *args, **kwargs)`` (the queue's own, unwatched), watched; or
+        ``run_all``, with the tuple of its keys as ``key``."""
         watch = Watch(self, key, function_name(fn))
         return await watch.watch(run(key, watch.run, fn, *args, **kwargs))
 
@@ -115,18 +116,6 @@ class Watching:
         """A ``with_options`` call (the queue's own ``_call``, unwatched), watched."""
         watch = Watch(self, key, function_name(fn))
         return await watch.watch(call(key, watch.run, (fn, *args), kwargs, timeout, group))
-
-    async def watched_run_all(
-        self,
-        run_all: Callable[..., Coroutine[Any, Any, T]],
-        keys: tuple[Hashable, ...],
-        fn: Callable[..., Awaitable[T]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> T:
-        """``run_all`` (the queue's own, unwatched), watched."""
-        watch = Watch(self, keys, function_name(fn))
-        return await watch.watch(run_all(keys, watch.run, fn, *args, **kwargs))
 
     def watched_submit(
         self,

@@ -356,9 +356,7 @@ class KeyedSerialQueue:
         check_function(fn, "run_all")
         if self._watching is not None:  # an observed queue: the same body, watched
             keys = tuple(keys)
-            return await self._watching.watched_run_all(
-                self._unwatched.run_all, keys, fn, args, kwargs
-            )
+            return await self._watching.watched_run(self._unwatched.run_all, keys, fn, args, kwargs)
         share, task = self._shares.running()
         registration = await acquire_all(share, task, keys, None, self._max_pending)
         record = enter_turn(task, KeysFence(share), registration.keys, fn)
