@@ -512,8 +512,8 @@ class KeyedSerialQueue:
 
             ```
         """
-        # The turn and the wait are recorded in keyserial._turns (RUNNING, WAITING): that is
-        # all that current_fence(), the deadlock check and stats() read of this call.
+        # The turn and the wait are recorded in keyserial._turns (RUNNING): that is all that
+        # current_fence(), the deadlock check and stats() read of this call.
         if not callable(fn):
             check_function(fn, "run")
         if self._watching is not None:  # an observed queue: the same body, watched
@@ -571,7 +571,11 @@ class KeyedSerialQueue:
                 state: KeyState = holders[key]  # type: ignore[assignment]
                 state.holder, state.since = task, share.clock()
             else:
-                share.take_turn(key, waiter, task)
+                try:
+                    share.take_turn(key, waiter, task)
+                except BaseException:  # refused after the wait (a key that broke, a cycle)
+                    restore(task, outer)
+                    raise
         result: Any = UNCALLED  # what fn returned, for the error if it cannot be awaited
         try:
             if kwargs:

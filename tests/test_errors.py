@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from keyserial import KeyedSerialQueue, QueueClosed, QueueFull
+from keyserial._turns import RUNNING
 
 from .conftest import RunInTurn
 from .scheduling import settle
@@ -294,6 +295,8 @@ async def test_a_key_whose_equality_breaks_during_its_turn_is_not_left_registere
     assert len(queue) == 0
     await run_in_turn(queue, Flaky("second"), noop)  # the key works again once it compares again
     assert len(queue) == 0
+    # No record of a turn or a wait outlives its call, the refused one's included.
+    assert [task for task in (holder_first, holder_second, waiter) if task in RUNNING] == []
 
 
 async def test_a_key_whose_hash_changes_during_its_turn_is_not_left_registered(
