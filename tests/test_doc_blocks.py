@@ -82,6 +82,7 @@ class PageRun:
     namespace: dict[str, Any] = field(default_factory=lambda: {"__name__": "__main__"})
     done: int = 0
     failed: str | None = None
+    servers: dict[str, str] = field(default_factory=dict)  # the variables its blocks read
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
 
@@ -164,9 +165,9 @@ def test_the_block_runs_as_it_stands(block: Block) -> None:
         run = None
     if run is None:
         run = _runs[block.page] = PageRun()
-    variables = _servers_for(block, run) if run.done == 0 else {}
-    run.namespace.setdefault("__doc_servers__", variables)
-    with _environment(run.namespace["__doc_servers__"]):
+    if run.done == 0:
+        run.servers = _servers_for(block, run)
+    with _environment(run.servers):
         # The blocks before this one, in order, as a reader would have pasted them.
         while run.done < index:
             earlier = page_blocks[run.done]
