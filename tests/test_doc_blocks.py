@@ -82,7 +82,7 @@ class PageRun:
     namespace: dict[str, Any] = field(default_factory=lambda: {"__name__": "__main__"})
     done: int = 0
     failed: str | None = None
-    servers: dict[str, str] = field(default_factory=dict)  # the variables its blocks read
+    servers: dict[str, str] = field(default_factory=dict[str, str])  # what its blocks read
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
 
