@@ -396,8 +396,41 @@ class PostgresTurns:
         else:
             since = loop.time()  # before the turn's first query: its idle timer starts later
             turn = await self.begin(keys, deadline, loop)
+        turn, since = await self._confirmed(turn, since, keys, deadline, loop)
         self.held[task] = turn
         return turn, SessionKeeper(turn.connection, self.lease, since)
+
+    async def _confirmed(
+        self,
+        turn: PgTurn,
+        since: float,
+        keys: Mapping[int, Hashable],
+        deadline: float | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> tuple[PgTurn, float]:
+        """``turn``, once its session is known to be alive, and when it last answered.
+
+        The locks may be granted long after the turn's first query was sent (a long wait in
+        the server's queue), and the reply may reach a process that was paused since: by the
+        local measure, the server may have ended the idle session meanwhile, and the next
+        caller may hold the key. So a turn with less than two thirds of its lease left by
+        that measure sends ``SELECT 1`` first, which also restarts the server's idle timer;
+        a session the server ended is given up and the turn begun again, without an error.
+        Its function never starts on a lease that may have run out.
+        """
+        while loop.time() - since >= self.lease / 3:
+            asked = loop.time()
+            try:
+                await _cancelled_once(turn.connection.execute("SELECT 1"))
+            except BaseException as exc:
+                await self._discard(turn.connection)
+                if not isinstance(exc, psycopg.Error):
+                    raise
+                since = loop.time()
+                turn = await self.begin(keys, deadline, loop)
+                continue
+            since = asked
+        return turn, since
 
     async def leave(
         self, task: Task, turn: PgTurn, keeper: SessionKeeper | None, failed: bool

@@ -97,11 +97,14 @@ local function holds(holder, ticket)
 end
 """
 
-# ARGV: lease_ms, ticket -> fence if granted at once, '' if queued, '-' if it was withdrawn
+# ARGV: lease_ms, ticket[, '1' to queue it first] -> fence if granted at once, '' if queued,
+# '-' if it was withdrawn. A ticket queued first is a call that was granted the turn but
+# found, before starting, that the grant's lease may have run out (its process was paused):
+# it waits again in the place it had.
 ACQUIRE = (
     _GRANT
     + """
-local lease_ms, ticket = tonumber(ARGV[1]), ARGV[2]
+local lease_ms, ticket, first = tonumber(ARGV[1]), ARGV[2], ARGV[3] == '1'
 if redis.call('EXISTS', base .. ':gone:' .. ticket) == 1 then
   return '-'
 end
@@ -110,7 +113,7 @@ local held = redis.call('EXISTS', HOLDER) == 1
 if not held and redis.call('LLEN', QUEUE) == 0 then
   return grant(ticket, t, lease_ms)
 end
-redis.call('RPUSH', QUEUE, ticket)
+redis.call(first and 'LPUSH' or 'RPUSH', QUEUE, ticket)
 redis.call('ZADD', ALIVE, now_ms(t) + ALIVE_LEASES * lease_ms, ticket)
 retain_waiters()
 if not held then

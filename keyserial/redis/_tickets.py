@@ -35,7 +35,8 @@ PollTicket = Callable[[str, str], Awaitable[tuple[str, str]]]
 class EarlyTicket:
     """One call's ticket in fair mode, from its registration until its call takes it up.
 
-    The sending side alone writes ``name``, ``asked`` and ``reply``; the keeper writes
+    The sending side alone writes ``name`` and ``reply``; it writes ``asked``, and then the
+    keeper moves it on with each poll that finds the ticket waiting; the keeper writes
     ``timer``; the call's side alone writes ``withdrawn`` and ``taken``.
     """
 
@@ -44,7 +45,9 @@ class EarlyTicket:
     def __init__(self, base: str) -> None:
         self.base = base
         self.name = ""  # set by the sender just before the registration is sent
-        self.asked = 0.0  # the loop's time just before it was sent
+        #: When the last request that found the ticket waiting (its registration, then
+        #: each keep-alive poll) was sent: a later grant's lease starts no earlier.
+        self.asked = 0.0
         #: The registration's outcome: a fence text (granted at once), '' (queued), or the
         #: error that stopped it from being sent.
         self.reply: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -123,16 +126,19 @@ def keep_alive(
     loop = asyncio.get_running_loop()
 
     async def beat() -> None:
+        sent = loop.time()
         try:
             status, fence = await poll(ticket.base, ticket.name)
         except Exception:  # Redis unreachable: the call finds out when it takes the ticket
-            status, fence = "waiting", ""
+            status, fence = "unknown", ""
         if ticket.taken or ticket.withdrawn:
             return
         if status == "granted":
             granted(ticket.name, int(fence))
             return
         if status == "waiting":
+            ticket.asked = max(ticket.asked, sent)
+        if status in ("waiting", "unknown"):
             ticket.timer = loop.call_later(every, due)
 
     def due() -> None:

@@ -144,21 +144,27 @@ class RedisTurns:
                 policy,
             )
 
-    async def acquire(self, encoded: str, deadline: float | None) -> Turn:
+    async def acquire(self, encoded: str, deadline: float | None, first: bool = False) -> Turn:
+        """The turn of ``encoded``, once Redis grants it; ``first``: queue ahead of the others.
+
+        Its ``asked`` is when the last request that found the ticket still waiting was
+        sent: Redis granted the turn, and started its lease, no earlier.
+        """
         listener = await self.listener()
         base = self.base(encoded)
+        flag = "1" if first else "0"
         while True:  # once more each time Redis lost the ticket (a restart)
             ticket = listener.new_ticket()
             asked = asyncio.get_running_loop().time()  # the lease starts no earlier than this
             try:
                 reply = text(
                     await self.script(
-                        self.acquire_script, base, self.lease_ms, ticket, deadline=deadline
+                        self.acquire_script, base, self.lease_ms, ticket, flag, deadline=deadline
                     )
                 )
                 if reply and reply != "-":
                     return Turn(base, ticket, int(reply), asked)
-                fence = await self._wait(listener, base, ticket, deadline)
+                granted = await self._wait(listener, base, ticket, asked, deadline)
             except BaseException:
                 # Leave the queue, passing the turn on if it came meanwhile: in the
                 # background, so that a stalled Redis does not hold this caller too. If it
@@ -167,13 +173,20 @@ class RedisTurns:
                 raise
             finally:
                 listener.forget(ticket)
-            if fence is not None:
+            if granted is not None:
+                fence, asked = granted
                 return Turn(base, ticket, fence, asked)
 
     async def _wait(
-        self, listener: GrantListener, base: str, ticket: str, deadline: float | None
-    ) -> int | None:
-        """The fence once ``ticket`` is granted; None if Redis forgot the ticket."""
+        self,
+        listener: GrantListener,
+        base: str,
+        ticket: str,
+        asked: float,
+        deadline: float | None,
+    ) -> tuple[int, float] | None:
+        """The fence once ``ticket`` is granted, and the send time of the last request that
+        found it waiting (``asked`` at first); None if Redis forgot the ticket."""
         loop = asyncio.get_running_loop()
         while True:
             wait = self.poll
@@ -188,17 +201,46 @@ class RedisTurns:
             finally:
                 timer.cancel()
             if fence is not None:
-                return fence
+                return fence, asked
             if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError(f"timed out waiting for the turn of {base!r}")
+            polled = loop.time()
             status, fence = await self.script(
                 self.poll_script, base, ticket, self.lease_ms, deadline=deadline
             )
             status = text(status)
             if status == "granted":
-                return int(fence)
+                return int(fence), asked
             if status == "lost":
                 return None
+            asked = polled  # still waiting then: a later grant's lease starts after it
+
+    async def _confirmed(
+        self, turn: Turn, encoded: str, deadline: float | None, task: Task
+    ) -> tuple[Turn, LeaseKeeper]:
+        """``turn``, once its lease is known to hold, with the keeper that renews it.
+
+        A grant may reach a process that was paused (or its loop blocked) after Redis made
+        it: its lease, measured from ``turn.asked``, may be over, and the next caller may
+        hold the key. So a turn with less than a third of its lease left by the local
+        measure is renewed first; one whose lease ran out is given up, and the call waits
+        again at the head of Redis's queue, without an error. Its function never starts on
+        a lease that may have run out.
+        """
+        loop = asyncio.get_running_loop()
+        while turn.asked + self.lease - loop.time() < self.lease / 3:
+            asked = loop.time()
+            try:
+                if await self.renew(turn, asked + self.lease):
+                    turn.asked = asked
+                    break
+            except (RedisUnavailable, TimeoutError):
+                # Not answered: Redis may still have it as the holder; pass the turn on
+                # once it answers. (Refused: the turn is another's or no one's already.)
+                self.background.spawn(self.leave(turn.base, turn.ticket))
+            turn = await self.acquire(encoded, deadline, first=True)
+        self.held[(task, encoded)] = turn
+        return turn, LeaseKeeper(turn, task, self.lease, self.renew)
 
     # -- fair mode: a ticket per call, sent when the call registers (see _tickets) ------------
 
@@ -254,8 +296,7 @@ class RedisTurns:
         ticket.taken = True
         ticket.stop_keeping()
         turn = await self._acquire_early(ticket, encoded, deadline)
-        self.held[(task, encoded)] = turn
-        return turn, LeaseKeeper(turn, task, self.lease, self.renew)
+        return await self._confirmed(turn, encoded, deadline, task)
 
     async def _acquire_early(
         self, ticket: EarlyTicket, encoded: str, deadline: float | None
@@ -280,15 +321,16 @@ class RedisTurns:
         try:
             if reply:
                 return Turn(base, name, int(reply), ticket.asked)
-            fence = await self._wait(listener, base, name, deadline)
+            granted = await self._wait(listener, base, name, ticket.asked, deadline)
         except BaseException:
             self.background.spawn(self.leave(base, name))
             raise
         finally:
             listener.forget(name)
-        if fence is None:  # Redis lost the ticket (a restart): register again
+        if granted is None:  # Redis lost the ticket (a restart): register again
             return await self.acquire(encoded, deadline)
-        return Turn(base, name, fence, ticket.asked)
+        fence, asked = granted
+        return Turn(base, name, fence, asked)
 
     def withdraw(self, ticket: EarlyTicket) -> None:
         """The call of ``ticket`` ended without taking it up: take it out of Redis's queue.
@@ -328,8 +370,7 @@ class RedisTurns:
     ) -> tuple[Turn, LeaseKeeper]:
         """Acquire ``encoded``'s turn for ``task`` and keep its lease renewed."""
         turn = await self.acquire(encoded, deadline)
-        self.held[(task, encoded)] = turn
-        return turn, LeaseKeeper(turn, task, self.lease, self.renew)
+        return await self._confirmed(turn, encoded, deadline, task)
 
     async def give_back(self, encoded: str, turn: Turn, keeper: LeaseKeeper, task: Task) -> bool:
         """End ``task``'s turn of ``encoded``; True if its lease was lost while it ran.
