@@ -11,6 +11,8 @@ python -m tests.redis_worker URL wait KEY LEASE
     print "waiting", then wait for KEY's turn and print "got <fence>"
 python -m tests.redis_worker URL order MODE LOG OWNERS INDEX START SPACING TURN
     the cross-process order test's worker (see tests/fair_order.py), MODE fair or default
+python -m tests.redis_worker URL fault-load MODE LOG INDEX START
+    the fault suite's worker (see tests/fault_load.py), MODE fair or default
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ import redis
 import redis.asyncio
 
 from keyserial import LeaseLost, current_fence
-from keyserial.redis import RedisKeyedQueue, encode_key
+from keyserial.redis import RedisKeyedQueue, RedisUnavailable, encode_key
 
-from . import fair_order
+from . import fair_order, fault_load
 
 # Writes VALUE to KEYS[1] only if FENCE is above the highest fence seen so far.
 FENCED_WRITE = """
@@ -80,6 +82,14 @@ async def order(url: str, fair: bool, arguments: list[str]) -> None:
     say("done")
 
 
+async def fault_calls(url: str, fair: bool, log: str, index: int, start: int) -> None:
+    client = redis.asyncio.Redis.from_url(url)
+    queue = RedisKeyedQueue(client, namespace="load", lease=fault_load.LEASE, fair=fair)
+    await fault_load.make_calls(queue.run, RedisUnavailable, log, index, start)
+    await queue.aclose()
+    await client.aclose()
+
+
 async def hold(url: str, key: str, lease: float) -> None:
     client = redis.asyncio.Redis.from_url(url)
     queue = RedisKeyedQueue(client, namespace="faults", lease=lease, fair=FAIR)
@@ -128,6 +138,8 @@ if __name__ == "__main__":
         asyncio.run(hold(url, rest[0], float(rest[1])))
     elif mode == "order":
         asyncio.run(order(url, rest[0] == "fair", rest[1:]))
+    elif mode == "fault-load":
+        asyncio.run(fault_calls(url, rest[0] == "fair", rest[1], int(rest[2]), int(rest[3])))
     elif mode == "wait":
         asyncio.run(wait(url, rest[0], float(rest[1])))
     else:

@@ -1,0 +1,137 @@
+"""Faults under load, in both modes, with real processes and a real server: each case checks
+what tests/fault_load.py promises (every call runs once, no function starts on a lease that
+ran out, no call is left waiting, the key passes on within 1.5 leases, order in fair mode).
+
+Not part of the default run: under a loaded machine its timing bounds do not hold yet in
+every case (issue 48 is open). Run it on its own:
+
+    python -m pytest -m fault_suite -n 2 tests/test_redis_fault_suite.py
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from . import fault_load
+from .redis_server import RedisServer
+
+pytestmark = pytest.mark.fault_suite
+
+MODES = pytest.mark.parametrize("fair", [False, True], ids=["default", "fair"])
+#: Fair mode under a long outage or pause: a later call's grant can wait for an earlier call
+#: of its process whose ticket was lost, and hold the key idle for a lease or more (issue 48,
+#: point 2, still open). Not strict: the failure depends on timing.
+FAIR_KNOWN_GAP = pytest.mark.parametrize(
+    "fair",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                reason="fair mode re-registers lost tickets one call at a time (issue 48)",
+                strict=False,
+            ),
+        ),
+    ],
+    ids=["default", "fair"],
+)
+
+
+Workers = list[subprocess.Popen[str]]
+
+
+def _run(
+    redis_server: RedisServer,
+    tmp_path: Path,
+    fair: bool,
+    fault: Callable[[Workers], int | None],
+    killed: int | None = None,
+) -> None:
+    log = tmp_path / "calls.log"
+    worker = [sys.executable, "-m", "tests.redis_worker", redis_server.url, "fault-load"]
+    worker.append("fair" if fair else "default")
+    workers, start = fault_load.start_workers(worker, log)
+    # The fault hits a third into the schedule, with calls queued on both keys.
+    at = start + fault_load.CALLS * fault_load.SPACING * 1e9 / 3
+    time.sleep(max(0.0, (at - time.monotonic_ns()) / 1e9))
+    began = time.monotonic_ns()
+    began = fault(workers) or began  # a fault that waits for its moment says when it hit
+    ended = time.monotonic_ns()
+    fault_load.wait_for(workers, 20 * fault_load.LEASE + 10, killed)
+    fault_load.check(log, (began, ended), fair, killed)
+
+
+@MODES
+def test_a_restart_that_loses_the_data_while_calls_wait(
+    redis_server: RedisServer, tmp_path: Path, fair: bool
+) -> None:
+    _run(redis_server, tmp_path, fair, lambda _: redis_server.restart())
+
+
+@FAIR_KNOWN_GAP
+def test_a_server_down_for_several_leases_while_calls_wait(
+    redis_server: RedisServer, tmp_path: Path, fair: bool
+) -> None:
+    def down(_: Workers) -> None:
+        redis_server.kill()
+        time.sleep(4 * fault_load.LEASE)
+        redis_server.restart()
+
+    _run(redis_server, tmp_path, fair, down)
+
+
+@FAIR_KNOWN_GAP
+def test_client_pause_under_load(redis_server: RedisServer, tmp_path: Path, fair: bool) -> None:
+    pause = 4 * fault_load.LEASE
+
+    def paused(_: Workers) -> None:
+        redis_server.command(f"CLIENT PAUSE {int(pause * 1000)} ALL")
+        time.sleep(pause)
+
+    _run(redis_server, tmp_path, fair, paused)
+
+
+@MODES
+def test_a_waiting_process_paused_past_two_leases(
+    redis_server: RedisServer, tmp_path: Path, fair: bool
+) -> None:
+    def stopped(workers: Workers) -> None:
+        workers[1].send_signal(signal.SIGSTOP)
+        time.sleep(3 * fault_load.LEASE)
+        workers[1].send_signal(signal.SIGCONT)
+
+    _run(redis_server, tmp_path, fair, stopped)
+
+
+@MODES
+def test_a_killed_process_with_a_turn_and_calls_waiting(
+    redis_server: RedisServer, tmp_path: Path, fair: bool
+) -> None:
+    def killed(workers: Workers) -> int:
+        fault_load.until_holding(tmp_path / "calls.log", 0)
+        workers[0].kill()
+        return time.monotonic_ns()
+
+    _run(redis_server, tmp_path, fair, killed, killed=0)
+
+
+@MODES
+def test_a_holder_paused_past_its_lease(
+    redis_server: RedisServer, tmp_path: Path, fair: bool
+) -> None:
+    def stopped(workers: Workers) -> int:
+        fault_load.until_holding(tmp_path / "calls.log", 0)
+        workers[0].send_signal(signal.SIGSTOP)
+        began = time.monotonic_ns()
+        time.sleep(3 * fault_load.LEASE)
+        workers[0].send_signal(signal.SIGCONT)
+        return began
+
+    _run(redis_server, tmp_path, fair, stopped)
