@@ -217,7 +217,7 @@ async def test_everything_a_key_leaves_in_redis_expires_even_if_its_processes_di
     # and one withdrew a ticket whose registration had not reached Redis yet
     await queue._turns.script(queue._turns.release_script, base, "2@gone-2", queue._turns.lease_ms)
     names = sorted(await _names(client, "keyserial:*"))
-    parts = ["alive", "fence", "2@gone-2", "holder", "queue"]
+    parts = ["alive", "fence", "2@gone-2", "holder", "queue", "was"]
     assert [name.rsplit(":", 1)[1] for name in names] == parts
     for name in names:
         assert 0 < await client.pttl(name) <= 3_600_000, name

@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any, cast
 
 import redis.asyncio as redis_asyncio
@@ -60,6 +61,9 @@ class GrantListener:
         # ticket -> None (no grant yet), its fence (granted), or the future of its wait
         self.waiting: dict[str, int | asyncio.Future[int | None] | None] = {}
         self.ready = asyncio.get_running_loop().create_future()
+        #: Asked about a grant for a ticket whose call does not wait for it yet; True: the
+        #: grant is being taken back (see keyserial.redis._tickets.Sender), drop it.
+        self.unawaited: Callable[[str], bool] | None = None
         self.closing = False
         self.task = asyncio.get_running_loop().create_task(self._listen())
 
@@ -97,6 +101,8 @@ class GrantListener:
             return  # nobody waits for this ticket any more
         if isinstance(waiting, asyncio.Future) and not waiting.done():
             cast("asyncio.Future[int | None]", waiting).set_result(fence)
+        elif waiting is None and self.unawaited is not None and self.unawaited(ticket):
+            pass  # the ticket waits again: a later grant of it counts
         else:  # its request has not returned yet, or its poll timer just fired
             self.waiting[ticket] = fence
 

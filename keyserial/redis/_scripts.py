@@ -15,6 +15,8 @@ and each argument is one more to encode, send and parse. Per user key:
   server shorter than five thirds of a lease);
 * ``<base>:holder`` — ``"<ticket>:<fence>"`` of the current turn, expiring with its lease;
 * ``<base>:fence`` — the last fence handed out, kept for an hour after it;
+* ``<base>:was`` — the ticket of the last grant until it is released: found when the turn
+  is free, it says that the holder's lease ran out instead;
 * ``<base>:gone:<ticket>`` — a ticket withdrawn before its registration reached Redis (the
   waiter timed out or was cancelled while Redis stalled): the late registration is refused.
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 _GRANT = """
 local base = KEYS[1]
 local QUEUE, ALIVE = base .. ':queue', base .. ':alive'
-local HOLDER, FENCE = base .. ':holder', base .. ':fence'
+local HOLDER, FENCE, WAS = base .. ':holder', base .. ':fence', base .. ':was'
 -- How long a key's counters outlive its last grant, so that Redis keeps nothing for keys
 -- that are no longer used. Safe to lose: a fence is never below the clock, and tickets are
 -- made unique by their processes.
@@ -52,6 +54,7 @@ local function grant(ticket, t, lease_ms)
     redis.call('SET', FENCE, text, 'PX', RETAIN_MS)
   end
   redis.call('SET', HOLDER, ticket .. ':' .. text, 'PX', lease_ms)
+  redis.call('SET', WAS, ticket, 'PX', RETAIN_MS)
   return text
 end
 
@@ -60,10 +63,26 @@ local function now_ms(t)
 end
 
 -- Grant the free turn to the oldest live waiter, skipping dead ones; tell it, unless it is
--- the caller (own), who learns from the script's reply. Returns the fence granted to own.
--- t is the TIME already read, or nil.
-local function advance(t, own, lease_ms)
+-- own, who learns from the script's reply. Returns the fence granted to own. t is the TIME
+-- already read, or nil; caller is a ticket of the process running the script ('' if none).
+local function advance(t, own, lease_ms, caller)
   local now
+  local was = redis.call('GET', WAS)
+  if was then
+    -- The last holder's lease ran out without a release: its process died or stopped. Its
+    -- other tickets are dropped rather than granted to it one lease at a time; if it lives,
+    -- it finds them lost and registers them again. Not when it is the one asking.
+    redis.call('DEL', WAS)
+    local listener = string.match(was, '@(.*)$')
+    if listener and string.match(caller, '@(.*)$') ~= listener then
+      for _, ticket in ipairs(redis.call('LRANGE', QUEUE, 0, -1)) do
+        if string.match(ticket, '@(.*)$') == listener then
+          redis.call('LREM', QUEUE, 0, ticket)
+          redis.call('ZREM', ALIVE, ticket)
+        end
+      end
+    end
+  end
   while true do
     local head = redis.call('LPOP', QUEUE)
     if not head then
@@ -118,7 +137,7 @@ redis.call('ZADD', ALIVE, now_ms(t) + ALIVE_LEASES * lease_ms, ticket)
 retain_waiters()
 if not held then
   -- The holder's lease ran out with tickets waiting: serve them first.
-  local fence = advance(t, ticket, lease_ms)
+  local fence = advance(t, ticket, lease_ms, ticket)
   if fence then
     return fence
   end
@@ -144,7 +163,7 @@ local t = redis.call('TIME')
 redis.call('ZADD', ALIVE, 'XX', now_ms(t) + ALIVE_LEASES * lease_ms, ticket)
 retain_waiters()
 if not holder then
-  local fence = advance(t, ticket, lease_ms)
+  local fence = advance(t, ticket, lease_ms, ticket)
   if fence then
     return {'granted', fence}
   end
@@ -164,7 +183,8 @@ local ticket, lease_ms = ARGV[1], tonumber(ARGV[2])
 local holder = redis.call('GET', HOLDER)
 if holds(holder, ticket) then
   redis.call('DEL', HOLDER)
-  advance(nil, '', lease_ms)
+  redis.call('DEL', WAS)
+  advance(nil, '', lease_ms, ticket)
   return 1
 end
 local removed = redis.call('LREM', QUEUE, 0, ticket)
@@ -173,7 +193,7 @@ if removed == 0 then
   redis.call('SET', base .. ':gone:' .. ticket, 1, 'PX', RETAIN_MS)
 end
 if not holder then
-  advance(nil, '', lease_ms)
+  advance(nil, '', lease_ms, ticket)
 end
 return 0
 """
@@ -188,3 +208,66 @@ if redis.call('GET', holder) == ARGV[1] then
 end
 return 0
 """
+
+# ARGV: lease_ms, ticket... (one process's waiting tickets of the key, in call order) -> the
+# number registered again. Redis lost one of them (a restart, a pause past its heartbeat),
+# or granted one whose call cannot take it up (an earlier one of the process waits): all
+# are taken out and put back together, in the order given, where the first of them still
+# queued stood (first if a later one holds the turn, last if none is queued), so that none
+# is granted before an earlier one. The first ticket, if it holds the turn, keeps it; a
+# ticket withdrawn meanwhile is left out.
+REQUEUE = (
+    _GRANT
+    + """
+local lease_ms = tonumber(ARGV[1])
+local holder = redis.call('GET', HOLDER)
+local first
+local holding
+for i = 2, #ARGV do
+  if holds(holder, ARGV[i]) then
+    if i == 2 then
+      holding = ARGV[i]  -- the earliest call holds the turn: it takes it up
+    else
+      redis.call('DEL', HOLDER)  -- its call cannot take it up: the earliest one gets it
+      redis.call('DEL', WAS)
+      holder = false
+      first = 0
+    end
+  end
+end
+for i = 2, #ARGV do
+  local at = redis.call('LPOS', QUEUE, ARGV[i])
+  if at and (not first or at < first) then
+    first = at
+  end
+end
+local pivot = first and first > 0 and redis.call('LINDEX', QUEUE, first - 1)
+local tickets = {}
+for i = 2, #ARGV do
+  local ticket = ARGV[i]
+  redis.call('LREM', QUEUE, 0, ticket)
+  if ticket ~= holding and redis.call('EXISTS', base .. ':gone:' .. ticket) == 0 then
+    tickets[#tickets + 1] = ticket
+  end
+end
+local t = redis.call('TIME')
+for i, ticket in ipairs(tickets) do
+  if not first then
+    redis.call('RPUSH', QUEUE, ticket)
+  elseif pivot then
+    redis.call('LINSERT', QUEUE, 'AFTER', pivot, ticket)
+    pivot = ticket
+  else
+    redis.call('LPUSH', QUEUE, tickets[#tickets + 1 - i])
+  end
+  redis.call('ZADD', ALIVE, now_ms(t) + ALIVE_LEASES * lease_ms, ticket)
+end
+if #tickets > 0 then
+  retain_waiters()
+  if not holder then
+    advance(t, '', lease_ms, tickets[1])
+  end
+end
+return #tickets
+"""
+)

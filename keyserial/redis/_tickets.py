@@ -21,6 +21,7 @@ out agree with Redis's: a process's tickets are in Redis in the same order as it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,6 +29,8 @@ from typing import Any
 #: Names a ticket and sends its registration: a fence text if granted at once, '' if
 #: queued, '-' if Redis had it as withdrawn.
 SendTicket = Callable[["EarlyTicket"], Awaitable[str]]
+#: Registers a sender's waiting tickets again, together, in call order.
+Requeue = Callable[["Sender"], Awaitable[object]]
 #: Polls a queued ticket: ``(base, ticket) -> ('granted', fence) | ('waiting', '') | ('lost', '')``.
 PollTicket = Callable[[str, str], Awaitable[tuple[str, str]]]
 
@@ -62,26 +65,49 @@ class EarlyTicket:
 
 
 class Sender:
-    """Sends one key's tickets of one event loop to Redis, one at a time, in call order."""
+    """Sends one key's tickets of one event loop to Redis, one at a time, in call order, and
+    knows which of them still wait for their turn.
 
-    __slots__ = ("queue", "running")
+    ``waiting`` lists, in call order, the tickets whose calls have not yet got their turn
+    nor given up. When Redis lost one of them (a restart, a pause past its heartbeat), or
+    granted one that is not the first (an earlier call's ticket was lost), ``resend`` is
+    set: before any more tickets are sent, every sent ticket still waiting is registered
+    again, together and in call order (the `Requeue` script's work), so that no later call
+    of the process is granted before an earlier one, and no grant holds the key idle for a
+    lease waiting for a call that cannot take it up.
+    """
+
+    __slots__ = ("queue", "resend", "running", "waiting")
 
     def __init__(self) -> None:
         self.queue: deque[EarlyTicket] = deque()
         self.running = False
+        self.resend = False
+        self.waiting: list[EarlyTicket] = []
 
     def add(self, ticket: EarlyTicket) -> bool:
         """Queue ``ticket``; True if no sending is under way (the caller starts `send_all`)."""
         self.queue.append(ticket)
+        self.waiting.append(ticket)
+        return self.start()
+
+    def start(self) -> bool:
+        """True if no sending is under way: the caller starts `send_all`."""
         if self.running:
             return False
         self.running = True
         return True
 
-    async def send_all(self, send: SendTicket) -> None:
-        """Send every queued ticket, oldest first, each after the previous one's reply."""
+    async def send_all(self, send: SendTicket, requeue: Requeue) -> None:
+        """Send every queued ticket, oldest first, each after the previous one's reply; first
+        register the waiting ones again if Redis lost one of them."""
         try:
-            while self.queue:
+            while self.queue or self.resend:
+                if self.resend:
+                    self.resend = False
+                    with contextlib.suppress(Exception):  # the next loss asks again
+                        await requeue(self)
+                    continue
                 ticket = self.queue[0]
                 if ticket.withdrawn:  # given up before it was sent: nothing to send
                     self.queue.popleft()
@@ -116,12 +142,13 @@ def keep_alive(
     poll: PollTicket,
     granted: Callable[[str, int], None],
     spawn: Callable[[Any], object],
+    lost: Callable[[EarlyTicket], None],
 ) -> None:
     """Poll ``ticket`` every ``every`` seconds while its call waits in this process.
 
     A poll refreshes the ticket's heartbeat in Redis. A grant it finds is handed to
-    ``granted`` (as the grant message would be); a ticket Redis lost is left alone, and
-    its call registers again when it takes it up.
+    ``granted`` (as the grant message would be); a ticket Redis lost is handed to ``lost``
+    (which registers it again, and keeps it alive again).
     """
     loop = asyncio.get_running_loop()
 
@@ -140,6 +167,8 @@ def keep_alive(
             ticket.asked = max(ticket.asked, sent)
         if status in ("waiting", "unknown"):
             ticket.timer = loop.call_later(every, due)
+        elif status == "lost":
+            lost(ticket)
 
     def due() -> None:
         ticket.timer = None

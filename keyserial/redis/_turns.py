@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as redis_asyncio
@@ -53,13 +54,17 @@ class RedisTurns:
         self.poll_script = LuaScript(scripts.POLL)
         self.release_script = LuaScript(scripts.RELEASE)
         self.renew_script = LuaScript(scripts.RENEW)
+        self.requeue_script = LuaScript(scripts.REQUEUE)
         self.listeners: dict[asyncio.AbstractEventLoop, GrantListener] = {}
         #: (task, encoded key) -> the turn that task holds: a call of it for that key re-enters.
         self.held: dict[tuple[Task, str], Turn] = {}
         self.background = Background("background request")
         self.policy_checked = False
-        #: Fair mode: the senders of tickets still to be sent, by event loop and base name.
+        #: Fair mode: the senders of tickets still to be sent or waiting, by event loop and
+        #: base name.
         self.senders: dict[tuple[asyncio.AbstractEventLoop, str], Sender] = {}
+        #: Fair mode: the tickets sent and still waiting, by name (see `_grant_unawaited`).
+        self.early_names: dict[str, EarlyTicket] = {}
 
     def base(self, encoded: str) -> str:
         """The name the scripts derive the key's Redis keys from; its braces are a hash tag."""
@@ -109,6 +114,7 @@ class RedisTurns:
         if listener is None or listener.task.done():
             drop_closed_loops(self.listeners)
             listener = self.listeners[loop] = GrantListener(self.client)
+            listener.unawaited = self._grant_unawaited
         if not listener.ready.done():
             # Bounded like any Redis request: a listener that cannot subscribe gives way to
             # polling, and the request itself then reports what is wrong.
@@ -184,10 +190,14 @@ class RedisTurns:
         ticket: str,
         asked: float,
         deadline: float | None,
+        lost: Callable[[], object] | None = None,
     ) -> tuple[int, float] | None:
         """The fence once ``ticket`` is granted, and the send time of the last request that
-        found it waiting (``asked`` at first); None if Redis forgot the ticket."""
+        found it waiting (``asked`` at first); None if Redis forgot the ticket, unless
+        ``lost`` is given: that is called then (to register it again) and the wait goes on,
+        until Redis is found to have forgotten it twice in a row."""
         loop = asyncio.get_running_loop()
+        lost_again = False
         while True:
             wait = self.poll
             if deadline is not None:
@@ -212,7 +222,12 @@ class RedisTurns:
             if status == "granted":
                 return int(fence), asked
             if status == "lost":
-                return None
+                if lost is None or lost_again:
+                    return None  # not registered again in time either: register anew
+                lost()
+                lost_again = True
+                continue
+            lost_again = False
             asked = polled  # still waiting then: a later grant's lease starts after it
 
     async def _confirmed(
@@ -262,10 +277,37 @@ class RedisTurns:
 
     async def _send_all(self, at: tuple[asyncio.AbstractEventLoop, str], sender: Sender) -> None:
         try:
-            await sender.send_all(self._send_early)
+            await sender.send_all(self._send_early, self._requeue)
         finally:
-            if not sender.queue and self.senders.get(at) is sender:
-                del self.senders[at]
+            self._drop_if_idle(at, sender)
+
+    def _drop_if_idle(self, at: tuple[asyncio.AbstractEventLoop, str], sender: Sender) -> None:
+        idle = not (sender.queue or sender.waiting or sender.running)
+        if idle and self.senders.get(at) is sender:
+            del self.senders[at]
+
+    def _done_waiting(self, ticket: EarlyTicket) -> None:
+        """``ticket``'s call got its turn or gave up: it no longer waits in its process."""
+        if self.early_names.get(ticket.name) is ticket:
+            del self.early_names[ticket.name]
+        at = (ticket.reply.get_loop(), ticket.base)
+        sender = self.senders.get(at)
+        if sender is not None and ticket in sender.waiting:
+            sender.waiting.remove(ticket)
+            self._drop_if_idle(at, sender)
+
+    def _grant_unawaited(self, name: str) -> bool:
+        """A grant came for ticket ``name`` before its call took it up. If an earlier call of
+        this process still waits (see `Sender`), the process's waiting tickets are
+        registered again, this one with them, and the grant is void: True then."""
+        ticket = self.early_names.get(name)
+        if ticket is None or ticket.taken or ticket.withdrawn:
+            return False
+        sender = self.senders.get((ticket.reply.get_loop(), ticket.base))
+        if sender is None or not sender.waiting or sender.waiting[0] is ticket:
+            return False  # its call is the next here: it takes the grant up shortly
+        self._lost_early(ticket)
+        return True
 
     async def _send_early(self, ticket: EarlyTicket) -> str:
         listener = await self.listener()
@@ -281,9 +323,70 @@ class RedisTurns:
             listener.forget(ticket.name)
             self.background.spawn(self.leave(ticket.base, ticket.name))
             raise
-        if reply == "" and not (ticket.taken or ticket.withdrawn):
-            keep_alive(ticket, self.poll, self._poll_early, listener.grant, self.background.spawn)
+        if ticket.taken or ticket.withdrawn or reply == "-":
+            return reply
+        self.early_names[ticket.name] = ticket
+        if reply != "" and self._grant_unawaited(ticket.name):
+            reply = ""  # granted at once, but an earlier call here waits: registered again
+        if reply == "":
+            self._keep_alive(ticket, listener)
         return reply
+
+    def _keep_alive(self, ticket: EarlyTicket, listener: GrantListener) -> None:
+        keep_alive(
+            ticket,
+            self.poll,
+            self._poll_early,
+            listener.grant,
+            self.background.spawn,
+            self._lost_early,
+        )
+
+    def _lost_early(self, ticket: EarlyTicket) -> None:
+        """Redis lost ``ticket``: register every waiting ticket of its key here again."""
+        at = (ticket.reply.get_loop(), ticket.base)
+        sender = self.senders.get(at)
+        if sender is None or ticket not in sender.waiting:
+            return
+        sender.resend = True
+        if sender.start():
+            self.background.spawn(self._send_all(at, sender))
+
+    def _named_anew(self, ticket: EarlyTicket, listener: GrantListener) -> None:
+        """``ticket``'s registration failed: name it anew, to be registered by `_requeue`."""
+        self.early_names.pop(ticket.name, None)
+        listener.forget(ticket.name)
+        ticket.name = listener.new_ticket()
+        ticket.reply = asyncio.get_running_loop().create_future()
+        ticket.reply.set_result("")
+        self.early_names[ticket.name] = ticket
+
+    async def _requeue(self, sender: Sender) -> None:
+        """Register ``sender``'s sent tickets whose calls still wait again, together, in
+        call order (see `Sender`). A ticket whose registration failed (Redis unreachable
+        then) is named anew and registered with them, in its place: its call would
+        otherwise register only once it is next here, behind later calls of this process."""
+        listener = await self.listener()
+        loop = asyncio.get_running_loop()
+        tickets: list[EarlyTicket] = []
+        for ticket in sender.waiting:
+            if ticket.withdrawn or not ticket.reply.done():
+                continue  # given up, or not sent yet (it is sent after these, in order)
+            failed = ticket.reply.cancelled() or ticket.reply.exception() is not None
+            if failed or ticket.reply.result() == "-":
+                if ticket.taken:
+                    continue  # its call registers anew itself
+                self._named_anew(ticket, listener)
+            tickets.append(ticket)
+        if not tickets:
+            return
+        asked = loop.time()
+        names = [ticket.name for ticket in tickets]
+        await self.script(self.requeue_script, tickets[0].base, self.lease_ms, *names)
+        for ticket in tickets:
+            ticket.asked = max(ticket.asked, asked)
+            if not (ticket.taken or ticket.withdrawn) and ticket.timer is None:
+                self._keep_alive(ticket, listener)
 
     async def _poll_early(self, base: str, ticket: str) -> tuple[str, str]:
         status, fence = await self.script(self.poll_script, base, ticket, self.lease_ms)
@@ -295,7 +398,10 @@ class RedisTurns:
         """`take`, for a call whose ticket `register` already sent."""
         ticket.taken = True
         ticket.stop_keeping()
-        turn = await self._acquire_early(ticket, encoded, deadline)
+        try:
+            turn = await self._acquire_early(ticket, encoded, deadline)
+        finally:
+            self._done_waiting(ticket)
         return await self._confirmed(turn, encoded, deadline, task)
 
     async def _acquire_early(
@@ -314,14 +420,17 @@ class RedisTurns:
             self.withdraw(ticket)
             raise
         if failed or ticket.reply.result() == "-":
-            # It never reached Redis (unreachable then): register as a new call would.
-            return await self.acquire(encoded, deadline)
+            # It never reached Redis (unreachable then): it registers now, first in Redis's
+            # queue, ahead of this process's later tickets (see Sender).
+            return await self.acquire(encoded, deadline, first=True)
         listener = await self.listener()
         base, name, reply = ticket.base, ticket.name, ticket.reply.result()
         try:
             if reply:
                 return Turn(base, name, int(reply), ticket.asked)
-            granted = await self._wait(listener, base, name, ticket.asked, deadline)
+            granted = await self._wait(
+                listener, base, name, ticket.asked, deadline, lambda: self._lost_early(ticket)
+            )
         except BaseException:
             self.background.spawn(self.leave(base, name))
             raise
@@ -342,6 +451,7 @@ class RedisTurns:
             return
         ticket.withdrawn = True
         ticket.stop_keeping()
+        self._done_waiting(ticket)
         ticket.reply.add_done_callback(lambda _: self._leave_early(ticket))
 
     def _leave_early(self, ticket: EarlyTicket) -> None:
