@@ -1,4 +1,4 @@
-"""The fair-mode fault suite's load, shared by its Redis tests: processes making calls on a
+"""The fault suite's load, shared by its Redis and PostgreSQL tests: processes making calls on a
 few keys on a fixed schedule while a fault hits, each logging what its calls did.
 
 Call ``i`` is made ``i * SPACING`` after a common start by process ``i % PROCESSES``, on key
@@ -41,8 +41,11 @@ async def make_calls(
     log_path: str,
     index: int,
     start_ns: int,
+    lost: tuple[type[BaseException], ...] = (LeaseLost,),
 ) -> None:
-    """A worker's part of the schedule, through ``run`` (a queue's ``run``)."""
+    """A worker's part of the schedule, through ``run`` (a queue's ``run``): ``lost`` are the
+    backend's errors for a turn whose lease ran out while it ran, ``unavailable`` its error
+    for a call that did not run."""
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(line: str) -> None:
@@ -59,7 +62,7 @@ async def make_calls(
             try:
                 await run(key, work, call, key, made)
                 outcome = "ok"
-            except LeaseLost:
+            except lost:
                 outcome = "lease-lost"
             except unavailable:
                 await asyncio.sleep(0.05)  # it did not run: make it again

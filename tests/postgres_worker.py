@@ -11,6 +11,9 @@ python -m tests.postgres_worker DSN hold-idle KEY LEASE
     the same, without the "partial" row: "holding" comes before the turn's first statement
 python -m tests.postgres_worker DSN sleep KEY LEASE
     take KEY's turn, print "holding", and run ``SELECT pg_sleep(60)`` in it
+python -m tests.postgres_worker DSN fault-load MODE POOL LOG INDEX START
+    the fault suite's worker (see tests/fault_load.py), MODE fair or default, POOL its pool's
+    max_size
 python -m tests.postgres_worker DSN order MODE LOG OWNERS INDEX START SPACING TURN
     the cross-process order test's worker (see tests/fair_order.py), MODE fair or default
 """
@@ -25,9 +28,10 @@ import time
 
 from psycopg_pool import AsyncConnectionPool
 
-from keyserial.postgres import PostgresKeyedQueue, connection
+from keyserial import LeaseLost
+from keyserial.postgres import LeaseExpired, PostgresKeyedQueue, PostgresUnavailable, connection
 
-from . import fair_order
+from . import fair_order, fault_load
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS history (
@@ -124,6 +128,15 @@ async def order(dsn: str, fair: bool, arguments: list[str]) -> None:
     say("done")
 
 
+async def fault_calls(dsn: str, fair: bool, size: int, log: str, index: int, start: int) -> None:
+    async with AsyncConnectionPool(dsn, min_size=1, max_size=size, open=False) as pool:
+        queue = PostgresKeyedQueue(pool, namespace="load", lease=fault_load.LEASE, fair=fair)
+        await fault_load.make_calls(
+            queue.run, PostgresUnavailable, log, index, start, (LeaseLost, LeaseExpired)
+        )
+        await queue.aclose()
+
+
 def create_schema(dsn: str) -> None:
     import psycopg
 
@@ -135,6 +148,9 @@ def main() -> None:
     dsn, mode, *rest = sys.argv[1:]
     if mode == "log":
         asyncio.run(log_calls(dsn, int(rest[0]), int(rest[1]), int(rest[2])))
+    elif mode == "fault-load":
+        fair, size = rest[0] == "fair", int(rest[1])
+        asyncio.run(fault_calls(dsn, fair, size, rest[2], int(rest[3]), int(rest[4])))
     elif mode == "order":
         asyncio.run(order(dsn, rest[0] == "fair", rest[1:]))
     elif mode in ("hold", "hold-idle", "sleep", "stop-in-statement"):

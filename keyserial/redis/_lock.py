@@ -10,6 +10,7 @@ from .._cancels import cancel_count, withdraw_cancel
 from .._errors import LeaseLost
 from .._protocols import KeyLock
 from .._turns import BlockTurn, TurnRecord, enter_turn, leave_turn
+from ._fair import FairTickets
 from ._lease import LeaseKeeper, Turn
 from ._turns import RedisTurns
 
@@ -22,11 +23,11 @@ class RedisLock:
     __slots__ = (
         "_cancels_before",
         "_encoded",
-        "_fair",
         "_keeper",
         "_local",
         "_record",
         "_task",
+        "_tickets",
         "_timeout",
         "_turn",
         "_turns",
@@ -38,10 +39,10 @@ class RedisLock:
         local: KeyLock,
         encoded: str,
         timeout: float | None,
-        fair: bool = False,
+        tickets: FairTickets | None = None,
     ) -> None:
         self._turns = turns
-        self._fair = fair
+        self._tickets = tickets  # fair mode's
         self._encoded = encoded
         self._timeout = timeout
         self._local = local  # the in-process queue's lock of the encoded key
@@ -72,29 +73,32 @@ class RedisLock:
         deadline = None if self._timeout is None else loop.time() + self._timeout
         task: Task = asyncio.current_task()  # type: ignore[assignment]
         # Fair mode: the block's ticket goes to Redis as it registers here (see _tickets).
+        tickets = self._tickets
         early = (
-            turns.register(encoded) if self._fair and (task, encoded) not in turns.held else None
+            tickets.register(encoded)
+            if tickets is not None and (task, encoded) not in turns.held
+            else None
         )
         try:
             await self._local.__aenter__()
         except BaseException:
-            if early is not None:
-                turns.withdraw(early)
+            if early is not None and tickets is not None:
+                tickets.withdraw(early)
             raise
         turn = turns.held.get((task, encoded))
         if turn is None:  # not a re-entry: take the Redis turn for this block
             try:
-                if early is None:
+                if early is None or tickets is None:
                     turn, self._keeper = await turns.take(encoded, deadline, task)
                 else:
-                    turn, self._keeper = await turns.take_early(early, encoded, deadline, task)
+                    turn, self._keeper = await tickets.take_early(early, encoded, deadline, task)
             except BaseException:
                 await self._local.__aexit__(None, None, None)
                 raise
             self._turn, self._task = turn, task
             self._cancels_before = cancel_count(task)
-        elif early is not None:
-            turns.withdraw(early)
+        elif early is not None and tickets is not None:
+            tickets.withdraw(early)
         self._record = (task, enter_turn(task, BlockTurn(turn), encoded))
 
     async def __aexit__(

@@ -15,6 +15,7 @@ from .._options import WaitOptions, deprecated_call
 from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
 from .._turns import enter_turn, leave_turn
+from ._fair import FairTickets
 from ._lock import RedisLock
 from ._names import encode_key, encoded_namespace
 from ._tickets import EarlyTicket
@@ -122,6 +123,7 @@ class RedisKeyedQueue:
         self._fair = fair
         self._local = KeyedSerialQueue(max_pending=max_pending)
         self._turns = RedisTurns(client, encoded_namespace(namespace), self._lease)
+        self._tickets = FairTickets(self._turns) if fair else None
 
     @property
     def lease(self) -> float:
@@ -135,9 +137,10 @@ class RedisKeyedQueue:
 
     def _early_ticket(self, encoded: str, task: Task | None) -> EarlyTicket | None:
         """Fair mode: this call's ticket, sent now; None in the default mode or on re-entry."""
-        if not self._fair or (task is not None and (task, encoded) in self._turns.held):
+        tickets = self._tickets
+        if tickets is None or (task is not None and (task, encoded) in self._turns.held):
             return None
-        return self._turns.register(encoded)
+        return tickets.register(encoded)
 
     # -- running calls --------------------------------------------------------------------
 
@@ -159,10 +162,10 @@ class RedisKeyedQueue:
                 return await called(fn, args, kwargs)
             finally:
                 leave_turn(task, record)
-        if early is None:
+        if early is None or self._tickets is None:
             turn, keeper = await turns.take(encoded, deadline, task)
         else:
-            turn, keeper = await turns.take_early(early, encoded, deadline, task)
+            turn, keeper = await self._tickets.take_early(early, encoded, deadline, task)
         before = cancel_count(task)
         record = enter_turn(task, turn, encoded, fn)
         try:
@@ -223,8 +226,8 @@ class RedisKeyedQueue:
         try:
             return await local.run(encoded, self._turn, encoded, fn, args, kwargs, deadline, early)
         finally:
-            if early is not None:
-                self._turns.withdraw(early)  # nothing to do once the call took it up
+            if early is not None and self._tickets is not None:
+                self._tickets.withdraw(early)  # nothing to do once the call took it up
 
     call = deprecated_call
 
@@ -253,12 +256,12 @@ class RedisKeyedQueue:
         try:
             task = local.submit(encoded, self._turn, encoded, fn, args, kwargs, deadline, early)
         except BaseException:
-            if early is not None:
-                self._turns.withdraw(early)
+            if early is not None and self._tickets is not None:
+                self._tickets.withdraw(early)
             raise
-        if early is not None:
-            ticket = early
-            task.add_done_callback(lambda _: self._turns.withdraw(ticket))
+        if early is not None and self._tickets is not None:
+            ticket, tickets = early, self._tickets
+            task.add_done_callback(lambda _: tickets.withdraw(ticket))
         return task
 
     def with_options(self, *, timeout: float | None = None) -> WaitOptions:
@@ -287,7 +290,7 @@ class RedisKeyedQueue:
             raise ValueError("RedisKeyedQueue does not coalesce: group= is in-process only")
         encoded = encode_key(key)
         return RedisLock(
-            self._turns, self._local.lock(encoded, timeout), encoded, timeout, self._fair
+            self._turns, self._local.lock(encoded, timeout), encoded, timeout, self._tickets
         )
 
     async def join(self) -> None:
