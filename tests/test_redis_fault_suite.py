@@ -5,7 +5,8 @@ ran out, no call is left waiting, the key passes on within 1.5 leases, order in 
 Not part of the default run: its bounds are timing bounds (1.5 leases), kept on a machine that
 runs it alone. CI runs it on its own; so can you:
 
-    python -m pytest -m fault_suite tests/test_redis_fault_suite.py tests/test_postgres_fault_suite.py
+    python -m pytest -m fault_suite tests/test_redis_fault_suite.py \
+        tests/test_postgres_fault_suite.py
 """
 
 from __future__ import annotations
