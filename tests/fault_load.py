@@ -11,12 +11,13 @@ retrying a call that failed with the backend's "unavailable" error (it did not r
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -51,23 +52,27 @@ async def make_calls(
     def write(line: str) -> None:
         os.write(log, f"{line}\n".encode())
 
-    async def work(call: int, key: str, made: int) -> None:
-        write(f"S {call} {key} {os.getpid()} {made} {time.monotonic_ns()} {current_fence()}")
+    async def work(call: int, attempt: int, key: str, made: int) -> None:
+        pid, started, fence = os.getpid(), time.monotonic_ns(), current_fence()
+        write(f"S {call} {attempt} {key} {pid} {made} {started} {fence}")
         await asyncio.sleep(TURN)
-        write(f"E {call} {time.monotonic_ns()}")
+        write(f"E {call} {attempt} {time.monotonic_ns()}")
 
     async def one(call: int, key: str) -> None:
-        while True:
+        for attempt in itertools.count():
             made = time.monotonic_ns()  # a call made again is a new call
             try:
-                await run(key, work, call, key, made)
+                await run(key, work, call, attempt, key, made)
                 outcome = "ok"
             except lost:
                 outcome = "lease-lost"
             except unavailable:
-                await asyncio.sleep(0.05)  # it did not run: make it again
+                # Nothing of it was kept (it may have started: a turn whose session the server
+                # ended): make it again.
+                write(f"O {call} {attempt} unavailable")
+                await asyncio.sleep(0.05)
                 continue
-            write(f"O {call} {outcome}")
+            write(f"O {call} {attempt} {outcome}")
             return
 
     while True:  # warmed up as a long-running service would be: connected, scripts loaded
@@ -90,8 +95,8 @@ def until_holding(log: Path, index: int) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if log.exists():
-            calls = read(log).items()
-            if any(n % PROCESSES == index and c.starts and c.ended is None for n, c in calls):
+            turns, _ = read(log)
+            if any(t.call % PROCESSES == index and t.ended is None for t in turns):
                 return
         time.sleep(0.002)
     raise AssertionError(f"process {index} never held a turn")
@@ -128,84 +133,108 @@ def wait_for(
 
 
 @dataclass
-class Call:
-    key: str = ""
-    pid: int = 0
-    made: int = 0
-    starts: list[int] = field(default_factory=list[int])
+class Turn:
+    """One attempt of a call whose function started."""
+
+    call: int
+    attempt: int
+    key: str
+    pid: int
+    made: int
+    started: int
     ended: int | None = None
-    outcomes: list[str] = field(default_factory=list[str])
+    outcome: str | None = None  # None: its process was killed first
 
 
-def read(log: Path) -> dict[int, Call]:
-    calls: dict[int, Call] = defaultdict(Call)
+def read(log: Path) -> tuple[list[Turn], dict[int, list[str]]]:
+    """The turns (started attempts), and each call's outcomes, attempt by attempt."""
+    turns: dict[tuple[int, int], Turn] = {}
+    outcomes: dict[int, list[str]] = defaultdict(list)
+    ends: dict[tuple[int, int], int] = {}
+    ended_as: dict[tuple[int, int], str] = {}
     for line in log.read_text().splitlines():
-        kind, call, *rest = line.split()
-        record = calls[int(call)]
+        kind, call, attempt, *rest = line.split()
+        at = (int(call), int(attempt))
         if kind == "S":
-            record.key, record.pid, record.made = rest[0], int(rest[1]), int(rest[2])
-            record.starts.append(int(rest[3]))
+            key, pid, made, started = rest[0], int(rest[1]), int(rest[2]), int(rest[3])
+            turns[at] = Turn(at[0], at[1], key, pid, made, started)
         elif kind == "E":
-            record.ended = int(rest[0])
+            ends[at] = int(rest[0])
         else:
-            record.outcomes.append(rest[0])
-    return dict(calls)
+            outcomes[at[0]].append(rest[0])
+            ended_as[at] = rest[0]
+    for at, turn in turns.items():
+        turn.ended, turn.outcome = ends.get(at), ended_as.get(at)
+    return sorted(turns.values(), key=lambda turn: turn.started), dict(outcomes)
 
 
-def check(log: Path, fault: tuple[int, int], fair: bool, killed: int | None = None) -> None:
+def check(
+    log: Path,
+    fault: tuple[int, int],
+    fair: bool,
+    killed: int | None = None,
+    unkept: bool = False,
+) -> None:
     """What every fault case promises (``fault``: when it began and ended, monotonic ns):
-    every call's function ran once and its call returned once; no function started on a
-    lease that had run out (no two turns of a key overlap, but for a turn that was running
-    when the fault began and was told so with LeaseLost); the key passed on within 1.5
-    leases but across the fault; in fair mode, calls made apart a lease or more after the
-    fault started in call order, and each process's calls of a key always in call order. ``killed``:
-    the index of a process killed by the fault, whose calls are not expected to end."""
-    calls = read(log)
-    expected = [call for call in range(CALLS) if call % PROCESSES != killed]
-    assert [call for call in sorted(calls) if call % PROCESSES != killed] == expected, (
-        "a call never ran"
-    )
+    every call returned once and its function ran once, but for turns whose writes were not
+    kept (``unkept``: the backend may say so with its "unavailable" error, for a turn running
+    when the fault hit; the call is then made again); no function started on a lease that had
+    run out (no two turns of a key overlap, but for a turn that was running when the fault
+    began and was told so); the key passed on within 1.5 leases but across the fault; each
+    process's calls of a key started in call order, and in fair mode, so did calls made
+    apart a lease or more after the fault. ``killed``: the index of a process killed by the
+    fault, whose calls are not expected to end."""
+    turns, outcomes = read(log)
     began, ended = fault
     lease_ns = int(LEASE * 1e9)
-    for number, call in calls.items():
-        if number % PROCESSES == killed:
-            assert len(call.starts) <= 1, f"call {number}'s function ran twice"
+    for call in range(CALLS):
+        if call % PROCESSES == killed:
             continue
-        assert len(call.starts) == 1, f"call {number}'s function ran {len(call.starts)} times"
-        assert len(call.outcomes) == 1, f"call {number} returned {len(call.outcomes)} times"
-        if call.outcomes == ["lease-lost"]:
-            assert call.starts[0] < began, f"call {number} got LeaseLost, started after the fault"
-    by_key: dict[str, list[Call]] = defaultdict(list)
-    for call in calls.values():
-        by_key[call.key].append(call)
-    for key, turns in by_key.items():
-        turns.sort(key=lambda call: call.starts[0])
-        for before, after in pairwise(turns):
-            if before.outcomes != ["lease-lost"] and before.ended is not None:
-                assert before.ended is not None and before.ended <= after.starts[0], (
+        returned = [outcome for outcome in outcomes.get(call, []) if outcome != "unavailable"]
+        assert len(returned) == 1, f"call {call} returned {len(returned)} times"
+    started: dict[int, list[Turn]] = defaultdict(list)
+    for turn in turns:
+        started[turn.call].append(turn)
+    for call, attempts in started.items():
+        kept = [turn for turn in attempts if turn.outcome != "unavailable"]
+        assert len(kept) <= 1, f"call {call}'s function ran {len(kept)} times"
+        for turn in attempts:
+            if turn.outcome == "unavailable":
+                assert unkept, f"call {call}'s function ran, then its call failed as unavailable"
+                assert turn.started < ended, f"call {call}: a turn lost after the fault"
+            if turn.outcome == "lease-lost":
+                assert turn.started < began, f"call {call} got LeaseLost, started after the fault"
+    by_key: dict[str, list[Turn]] = defaultdict(list)
+    for turn in turns:
+        by_key[turn.key].append(turn)
+    for key, ordered in by_key.items():
+        for before, after in pairwise(ordered):
+            if before.outcome == "ok":
+                assert before.ended is not None and before.ended <= after.started, (
                     f"two turns of {key} overlapped: a function started on a lease that ran out"
                 )
-            if before.ended is not None or before.starts[0] < began:
+            if before.ended is not None or before.started < began:
                 idle_from = max(before.ended or began, after.made)
-                if idle_from < ended and after.starts[0] > began:
+                if idle_from < ended and after.started > began:
                     idle_from = max(idle_from, ended)  # idle across the fault: from its end
-                gap = after.starts[0] - idle_from
+                gap = after.started - idle_from
                 assert gap <= 1.5 * lease_ns, f"{key} stood idle {gap / 1e9:.2f} s"
-        mine: dict[int, list[Call]] = defaultdict(list)
-        for call in turns:
-            mine[call.pid].append(call)
+        mine: dict[int, list[Turn]] = defaultdict(list)
+        for turn in ordered:
+            if turn.outcome != "unavailable":
+                mine[turn.pid].append(turn)
         for own in mine.values():
-            assert [c.made for c in own] == sorted(c.made for c in own), "a process's order"
+            assert [t.made for t in own] == sorted(t.made for t in own), "a process's order"
         if fair:
             # A process's registrations delayed by the fault (sent one at a time, in order)
             # reach the server within a lease of its end.
-            after_fault = [call for call in turns if call.made > ended + lease_ns]
-            for call in after_fault:
+            after_fault = [turn for turn in ordered if turn.made > ended + lease_ns]
+            for turn in after_fault:
                 for later in after_fault:
-                    if later.made - call.made >= MARGIN_NS:
-                        assert call.starts[0] < later.starts[0], (
+                    if later.made - turn.made >= MARGIN_NS:
+                        assert turn.started < later.started, (
                             f"{key}: a call overtook: made {(later.made - ended) / 1e6:.0f} ms "
                             f"after the fault by {later.pid}, it started "
-                            f"{(call.starts[0] - later.starts[0]) / 1e6:.0f} ms before one made "
-                            f"{(later.made - call.made) / 1e6:.0f} ms earlier by {call.pid}"
+                            f"{(turn.started - later.started) / 1e6:.0f} ms before one made "
+                            f"{(later.made - turn.made) / 1e6:.0f} ms earlier by {turn.pid}"
                         )
