@@ -43,10 +43,12 @@ async def make_calls(
     index: int,
     start_ns: int,
     lost: tuple[type[BaseException], ...] = (LeaseLost,),
+    in_doubt: tuple[type[BaseException], ...] = (),
 ) -> None:
     """A worker's part of the schedule, through ``run`` (a queue's ``run``): ``lost`` are the
     backend's errors for a turn whose lease ran out while it ran, ``unavailable`` its error
-    for a call that did not run."""
+    for a call that did not run, ``in_doubt`` its errors for a commit whose outcome is unknown
+    (the call is not made again)."""
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(line: str) -> None:
@@ -66,6 +68,8 @@ async def make_calls(
                 outcome = "ok"
             except lost:
                 outcome = "lease-lost"
+            except in_doubt:
+                outcome = "in-doubt"
             except unavailable:
                 # Nothing of it was kept (it may have started: a turn whose session the server
                 # ended): make it again.
@@ -204,6 +208,8 @@ def check(
                 assert turn.started < ended, f"call {call}: a turn lost after the fault"
             if turn.outcome == "lease-lost":
                 assert turn.started < began, f"call {call} got LeaseLost, started after the fault"
+            if turn.outcome == "in-doubt":
+                assert turn.started < ended, f"call {call}: a commit in doubt after the fault"
     by_key: dict[str, list[Turn]] = defaultdict(list)
     for turn in turns:
         by_key[turn.key].append(turn)

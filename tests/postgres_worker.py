@@ -29,7 +29,13 @@ import time
 from psycopg_pool import AsyncConnectionPool
 
 from keyserial import LeaseLost
-from keyserial.postgres import LeaseExpired, PostgresKeyedQueue, PostgresUnavailable, connection
+from keyserial.postgres import (
+    CommitInDoubt,
+    LeaseExpired,
+    PostgresKeyedQueue,
+    PostgresUnavailable,
+    connection,
+)
 
 from . import fair_order, fault_load
 
@@ -132,7 +138,13 @@ async def fault_calls(dsn: str, fair: bool, size: int, log: str, index: int, sta
     async with AsyncConnectionPool(dsn, min_size=1, max_size=size, open=False) as pool:
         queue = PostgresKeyedQueue(pool, namespace="load", lease=fault_load.LEASE, fair=fair)
         await fault_load.make_calls(
-            queue.run, PostgresUnavailable, log, index, start, (LeaseLost, LeaseExpired)
+            queue.run,
+            PostgresUnavailable,
+            log,
+            index,
+            start,
+            (LeaseLost, LeaseExpired),
+            (CommitInDoubt,),
         )
         await queue.aclose()
 

@@ -11,8 +11,9 @@ python -m tests.redis_worker URL wait KEY LEASE
     print "waiting", then wait for KEY's turn and print "got <fence>"
 python -m tests.redis_worker URL order MODE LOG OWNERS INDEX START SPACING TURN
     the cross-process order test's worker (see tests/fair_order.py), MODE fair or default
-python -m tests.redis_worker URL fault-load MODE LOG INDEX START
-    the fault suite's worker (see tests/fault_load.py), MODE fair or default
+python -m tests.redis_worker URL fault-load MODE POOL LOG INDEX START
+    the fault suite's worker (see tests/fault_load.py), MODE fair or default, POOL its
+    client's max_connections (0: redis-py's default)
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ async def order(url: str, fair: bool, arguments: list[str]) -> None:
     say("done")
 
 
-async def fault_calls(url: str, fair: bool, log: str, index: int, start: int) -> None:
-    client = redis.asyncio.Redis.from_url(url)
+async def fault_calls(url: str, fair: bool, pool: int, log: str, index: int, start: int) -> None:
+    client = redis.asyncio.Redis.from_url(url, max_connections=pool or None)
     queue = RedisKeyedQueue(client, namespace="load", lease=fault_load.LEASE, fair=fair)
     await fault_load.make_calls(queue.run, RedisUnavailable, log, index, start)
     await queue.aclose()
@@ -139,7 +140,8 @@ if __name__ == "__main__":
     elif mode == "order":
         asyncio.run(order(url, rest[0] == "fair", rest[1:]))
     elif mode == "fault-load":
-        asyncio.run(fault_calls(url, rest[0] == "fair", rest[1], int(rest[2]), int(rest[3])))
+        fair, pool = rest[0] == "fair", int(rest[1])
+        asyncio.run(fault_calls(url, fair, pool, rest[2], int(rest[3]), int(rest[4])))
     elif mode == "wait":
         asyncio.run(wait(url, rest[0], float(rest[1])))
     else:
