@@ -241,10 +241,13 @@ class RedisTurns:
                 if await self.renew(turn, asked + self.lease):
                     turn.asked = asked
                     break
-            except (RedisUnavailable, TimeoutError):
-                # Not answered: Redis may still have it as the holder; pass the turn on
-                # once it answers. (Refused: the turn is another's or no one's already.)
+            except BaseException as exc:
+                # Not answered, or the caller gave up meanwhile: Redis may still have it as
+                # the holder; pass the turn on once it answers. (Refused: the turn is
+                # another's or no one's already.)
                 self.background.spawn(self.leave(turn.base, turn.ticket))
+                if not isinstance(exc, (RedisUnavailable, TimeoutError)):
+                    raise
             turn = await self.acquire(encoded, deadline, first=True)
         self.held[(task, encoded)] = turn
         return turn, LeaseKeeper(turn, task, self.lease, self.renew)
