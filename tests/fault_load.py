@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import signal
 import subprocess
 import time
 from collections import defaultdict
@@ -104,6 +105,69 @@ def until_holding(log: Path, index: int) -> None:
                 return
         time.sleep(0.002)
     raise AssertionError(f"process {index} never held a turn")
+
+
+Workers = list[subprocess.Popen[str]]
+#: A fault: it hits the workers or their server, and returns when it began if it first waited
+#: for its moment (None: when it was called).
+Fault = Callable[[Workers], "int | None"]
+
+
+def run_case(
+    worker: list[str],
+    log: Path,
+    fair: bool,
+    fault: Fault,
+    killed: int | None = None,
+    unkept: bool = False,
+) -> None:
+    """One fault case: start the workers (``worker``: the command before the log, index and
+    start), let ``fault`` hit a quarter into the schedule, with calls queued on both keys,
+    wait for the workers, and `check` what they logged."""
+    workers, start = start_workers(worker, log)
+    at = start + CALLS * SPACING * 1e9 / 4
+    time.sleep(max(0.0, (at - time.monotonic_ns()) / 1e9))
+    began = time.monotonic_ns()
+    began = fault(workers) or began
+    ended = time.monotonic_ns()
+    wait_for(workers, 20 * LEASE + 10, killed)
+    check(log, (began, ended), fair, killed, unkept)
+
+
+def kill_holder(log: Path, index: int) -> Fault:
+    """The fault: kill process ``index`` while it holds a turn."""
+
+    def kill(workers: Workers) -> int:
+        until_holding(log, index)
+        workers[index].kill()
+        return time.monotonic_ns()
+
+    return kill
+
+
+def stop_holder(log: Path, index: int) -> Fault:
+    """The fault: stop process ``index`` for three leases while it holds a turn."""
+
+    def stop(workers: Workers) -> int:
+        until_holding(log, index)
+        return stop_for(workers[index], 3 * LEASE)
+
+    return stop
+
+
+def stop_process(index: int) -> Fault:
+    """The fault: stop process ``index`` for three leases, whatever it does (it has calls
+    waiting: past two leases, their tickets' heartbeats stop)."""
+    return lambda workers: stop_for(workers[index], 3 * LEASE)
+
+
+def stop_for(process: subprocess.Popen[str], seconds: float) -> int:
+    """SIGSTOP ``process``, SIGCONT it ``seconds`` later; when it was stopped."""
+    process.send_signal(signal.SIGSTOP)
+    began = time.monotonic_ns()
+    time.sleep(seconds)
+    process.send_signal(signal.SIGCONT)
+    return began
 
 
 def start_workers(worker: list[str], log: Path) -> tuple[list[subprocess.Popen[str]], int]:

@@ -12,11 +12,8 @@ Run it on its own:
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,29 +26,17 @@ pytestmark = pytest.mark.fault_suite
 MODES = pytest.mark.parametrize("fair", [False, True], ids=["default", "fair"])
 
 
-Workers = list[subprocess.Popen[str]]
-
-
 def _run(
     redis_server: RedisServer,
     tmp_path: Path,
     fair: bool,
-    fault: Callable[[Workers], int | None],
+    fault: fault_load.Fault,
     killed: int | None = None,
     pool: int = 0,
 ) -> None:
-    log = tmp_path / "calls.log"
     worker = [sys.executable, "-m", "tests.redis_worker", redis_server.url, "fault-load"]
     worker += ["fair" if fair else "default", str(pool)]
-    workers, start = fault_load.start_workers(worker, log)
-    # The fault hits a quarter into the schedule, with calls queued on both keys.
-    at = start + fault_load.CALLS * fault_load.SPACING * 1e9 / 4
-    time.sleep(max(0.0, (at - time.monotonic_ns()) / 1e9))
-    began = time.monotonic_ns()
-    began = fault(workers) or began  # a fault that waits for its moment says when it hit
-    ended = time.monotonic_ns()
-    fault_load.wait_for(workers, 20 * fault_load.LEASE + 10, killed)
-    fault_load.check(log, (began, ended), fair, killed)
+    fault_load.run_case(worker, tmp_path / "calls.log", fair, fault, killed)
 
 
 @MODES
@@ -65,7 +50,7 @@ def test_a_restart_that_loses_the_data_while_calls_wait(
 def test_a_server_down_for_several_leases_while_calls_wait(
     redis_server: RedisServer, tmp_path: Path, fair: bool
 ) -> None:
-    def down(_: Workers) -> None:
+    def down(_: fault_load.Workers) -> None:
         redis_server.kill()
         time.sleep(4 * fault_load.LEASE)
         redis_server.restart()
@@ -77,7 +62,7 @@ def test_a_server_down_for_several_leases_while_calls_wait(
 def test_client_pause_under_load(redis_server: RedisServer, tmp_path: Path, fair: bool) -> None:
     pause = 4 * fault_load.LEASE
 
-    def paused(_: Workers) -> None:
+    def paused(_: fault_load.Workers) -> None:
         redis_server.command(f"CLIENT PAUSE {int(pause * 1000)} ALL")
         time.sleep(pause)
 
@@ -88,39 +73,21 @@ def test_client_pause_under_load(redis_server: RedisServer, tmp_path: Path, fair
 def test_a_waiting_process_paused_past_two_leases(
     redis_server: RedisServer, tmp_path: Path, fair: bool
 ) -> None:
-    def stopped(workers: Workers) -> None:
-        workers[1].send_signal(signal.SIGSTOP)
-        time.sleep(3 * fault_load.LEASE)
-        workers[1].send_signal(signal.SIGCONT)
-
-    _run(redis_server, tmp_path, fair, stopped)
+    _run(redis_server, tmp_path, fair, fault_load.stop_process(1))
 
 
 @MODES
 def test_a_killed_process_with_a_turn_and_calls_waiting(
     redis_server: RedisServer, tmp_path: Path, fair: bool
 ) -> None:
-    def killed(workers: Workers) -> int:
-        fault_load.until_holding(tmp_path / "calls.log", 0)
-        workers[0].kill()
-        return time.monotonic_ns()
-
-    _run(redis_server, tmp_path, fair, killed, killed=0)
+    _run(redis_server, tmp_path, fair, fault_load.kill_holder(tmp_path / "calls.log", 0), 0)
 
 
 @MODES
 def test_a_holder_paused_past_its_lease(
     redis_server: RedisServer, tmp_path: Path, fair: bool
 ) -> None:
-    def stopped(workers: Workers) -> int:
-        fault_load.until_holding(tmp_path / "calls.log", 0)
-        workers[0].send_signal(signal.SIGSTOP)
-        began = time.monotonic_ns()
-        time.sleep(3 * fault_load.LEASE)
-        workers[0].send_signal(signal.SIGCONT)
-        return began
-
-    _run(redis_server, tmp_path, fair, stopped)
+    _run(redis_server, tmp_path, fair, fault_load.stop_holder(tmp_path / "calls.log", 0))
 
 
 @MODES
