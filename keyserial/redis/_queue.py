@@ -120,7 +120,6 @@ class RedisKeyedQueue:
             raise TypeError(f"fair must be True or False, not {fair!r}")
         self._client = client
         self._lease = float(lease)
-        self._fair = fair
         self._local = KeyedSerialQueue(max_pending=max_pending)
         self._turns = RedisTurns(client, encoded_namespace(namespace), self._lease)
         self._tickets = FairTickets(self._turns) if fair else None
@@ -133,7 +132,7 @@ class RedisKeyedQueue:
     @property
     def fair(self) -> bool:
         """Whether turns follow the order in which calls reached Redis, across processes."""
-        return self._fair
+        return self._tickets is not None
 
     def _early_ticket(self, encoded: str, task: Task | None) -> EarlyTicket | None:
         """Fair mode: this call's ticket, sent now; None in the default mode or on re-entry."""
