@@ -1,6 +1,6 @@
-"""Fair mode's own promises on PostgreSQL: every call's transaction waits in the server from
-its registration, a process's requests reach the server's queue in its call order, and a
-call that gives up leaves no wait and no transaction behind."""
+"""Fair mode's own promises on PostgreSQL: a waiting call holds a ticket, not a connection;
+turns follow the tickets' order across processes whatever the pool size; a call that gives up
+leaves no ticket behind, and an idle process keeps no connection for its tickets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from keyserial.postgres import PostgresKeyedQueue, connection, lock_id
+from keyserial.postgres import PostgresKeyedQueue
 
 from .conftest import Pools
 from .redis_helpers import until
@@ -18,62 +18,78 @@ from .redis_helpers import until
 pytestmark = pytest.mark.asyncio
 
 
-async def _waiting_pids(pool: AsyncConnectionPool[Any], namespace: str, key: str) -> list[int]:
-    """The backends waiting for ``key``'s lock, in the order the server queued them."""
-    unsigned = lock_id(namespace, key) % (1 << 64)
+async def _tickets(pool: AsyncConnectionPool[Any]) -> int:
+    """How many calls hold a ticket (rows of distinct tickets in the ticket table)."""
+    async with pool.connection() as conn:
+        cursor = await conn.execute("SELECT to_regclass('keyserial_fences_tq') IS NOT NULL")
+        if not (await cursor.fetchall())[0][0]:
+            return 0  # made by the first call's process, maybe not yet
+        cursor = await conn.execute("SELECT count(DISTINCT ticket) FROM keyserial_fences_tq")
+        row = await cursor.fetchone()
+        return 0 if row is None else int(row[0])
+
+
+async def _until_tickets(pool: AsyncConnectionPool[Any], count: int) -> None:
+    for _ in range(2000):
+        if await _tickets(pool) == count:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never {count} tickets in the ticket table")
+
+
+async def _connections(pool: AsyncConnectionPool[Any]) -> int:
+    """Server connections to the test's database, but the one asking."""
     async with pool.connection() as conn:
         cursor = await conn.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            " AND classid = %s AND objid = %s AND objsubid = 1"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            " ORDER BY waitstart",
-            (unsigned >> 32, unsigned & 0xFFFFFFFF),
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
-        return [int(row[0]) for row in await cursor.fetchall()]
+        row = await cursor.fetchone()
+        return 0 if row is None else int(row[0])
 
 
-async def _until_waiting(pool: AsyncConnectionPool[Any], count: int) -> list[int]:
-    for _ in range(1000):
-        pids = await _waiting_pids(pool, "t", "k")
-        if len(pids) == count:
-            return pids
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never {count} calls waiting in the server")
-
-
-@pytest.mark.xdist_group("postgres-connections")
-async def test_every_waiting_call_waits_in_the_server_in_call_order(pools: Pools) -> None:
-    burst = 16
-    pool, other = await pools(min_size=burst + 1, max_size=burst + 1), await pools()
-    queue = PostgresKeyedQueue(pool, namespace="t", fair=True)
+@pytest.mark.parametrize("pool_size", [2, 6])
+async def test_twenty_waiting_calls_of_four_processes_hold_tickets_and_run_in_call_order(
+    pools: Pools, pool_size: int
+) -> None:
+    # Four processes' queues (a pool each), twenty calls waiting on one held key. Each
+    # waiting call holds a ticket, not a connection: the pool's size does not matter, and
+    # the server sees a connection per process for its tickets, the holder's and the next
+    # call's, whether the pools are smaller than the waiting calls or not.
+    watcher = await pools(max_size=1)
+    processes = [await pools(min_size=0, max_size=pool_size) for _ in range(4)]
+    queues = [PostgresKeyedQueue(pool, namespace="t", fair=True) for pool in processes]
     release = asyncio.Event()
     order: list[int] = []
 
     async def hold() -> None:
         await release.wait()
 
-    async def note(call: int) -> int:
+    async def note(call: int) -> None:
         order.append(call)
-        return connection().info.backend_pid
 
-    holder = asyncio.create_task(queue.run("k", hold))
-    await until(lambda: queue.stats().running == 1, "the holder starts")
-    # Made in one burst: each asks for the lock only once the one before is queued.
-    calls = [asyncio.create_task(queue.run("k", note, call)) for call in range(burst)]
-    queued = await _until_waiting(other, burst)
+    holder = asyncio.create_task(queues[0].run("k", hold))
+    await _until_tickets(watcher, 1)
+    calls = []
+    for call in range(20):  # round robin over the processes, each registered before the next
+        calls.append(asyncio.create_task(queues[call % 4].run("k", note, call)))
+        await _until_tickets(watcher, call + 2)
+    # Settle: the next call's transaction waits in the server behind the holder's.
+    await asyncio.sleep(0.2)
+    peak = await _connections(watcher)
+    pooled = sum(pool.get_stats()["pool_size"] for pool in processes)
+    assert peak <= 8, f"{peak} server connections for 20 waiting calls"
+    assert pooled <= 2 + 1, f"the pools opened {pooled} connections"
     release.set()
-    await holder
-    backends = await asyncio.wait_for(asyncio.gather(*calls), 10)
-    assert order == list(range(burst))
-    assert len(set(backends)) == burst, "each waiting call has a transaction of its own"
-    assert queued == backends, "the server queued the calls' requests in call order"
-    await queue.aclose()
+    await asyncio.wait_for(asyncio.gather(holder, *calls), 20)
+    assert order == list(range(20))
+    for queue in queues:
+        await queue.aclose()
+    assert await _tickets(watcher) == 0, "a ticket outlived its call"
 
 
 @pytest.mark.parametrize("how", ["cancelled", "timed out"])
-async def test_a_call_that_gives_up_in_its_process_leaves_no_gap_in_the_server(
-    pools: Pools, how: str
-) -> None:
+async def test_a_call_that_gives_up_leaves_no_ticket_and_no_gap(pools: Pools, how: str) -> None:
     first, second, watcher = await pools(), await pools(), await pools()
     a = PostgresKeyedQueue(first, namespace="t", lease=10.0, fair=True)
     b = PostgresKeyedQueue(second, namespace="t", lease=10.0, fair=True)
@@ -93,16 +109,16 @@ async def test_a_call_that_gives_up_in_its_process_leaves_no_gap_in_the_server(
         gives_up = asyncio.create_task(a.run("k", note, "gave up"))
     else:
         gives_up = asyncio.create_task(a.with_options(timeout=0.5).run("k", note, "gave up"))
-    await _until_waiting(watcher, 1)
+    await _until_tickets(watcher, 2)
     later = asyncio.create_task(b.run("k", note, "b"))
-    await _until_waiting(watcher, 2)
+    await _until_tickets(watcher, 3)
     if how == "cancelled":
         gives_up.cancel()
     with pytest.raises(asyncio.CancelledError if how == "cancelled" else TimeoutError):
         await gives_up
-    await _until_waiting(watcher, 1)  # its wait left the server's queue
+    await _until_tickets(watcher, 2)  # its ticket was given back
     release.set()
-    # A transaction left behind would take the lock and sit on it until its lease (10 s).
+    # A ticket or transaction left behind would hold the line until its lease (10 s).
     await asyncio.wait_for(asyncio.gather(holder, later), 5)
     assert order == ["hold", "b"]
     for pool in (first, second):
@@ -110,3 +126,24 @@ async def test_a_call_that_gives_up_in_its_process_leaves_no_gap_in_the_server(
         assert stats["pool_size"] == stats["pool_available"], "a connection was not given back"
     await a.aclose()
     await b.aclose()
+    assert await _tickets(watcher) == 0
+
+
+async def test_an_idle_process_closes_the_connection_of_its_tickets(pools: Pools) -> None:
+    pool, watcher = await pools(min_size=1, max_size=2), await pools(max_size=1)
+    queue = PostgresKeyedQueue(pool, namespace="t", lease=0.3, fair=True)
+
+    async def work() -> None:
+        return None
+
+    baseline = await _connections(watcher)
+    await queue.run("k", work)
+    assert await _connections(watcher) == baseline + 1, "the ticket connection is kept a while"
+    for _ in range(400):  # closed a lease after the last ticket was given back
+        if await _connections(watcher) == baseline:
+            break
+        await asyncio.sleep(0.01)
+    assert await _connections(watcher) == baseline
+    await queue.run("k", work)  # and opened again for the next call
+    await queue.aclose()
+    assert await _connections(watcher) == baseline, "aclose closes the ticket connection"

@@ -42,18 +42,21 @@ async def test_locks_granted_before_a_pause_never_start_the_function_late(
         return time.monotonic()
 
     # The waiter's process stops just as its locks are granted: the server's idle timer of
-    # its transaction runs on meanwhile.
-    begin = b._turns.begin
+    # its transaction runs on meanwhile. (Fair mode begins a turn from its ticket.)
+    begin = b._turns.early.begin if fair else b._turns.begin
     paused_until: list[float] = []
 
-    async def paused_begin(*args: Any, **kwargs: Any) -> PgTurn:
+    async def paused_begin(*args: Any, **kwargs: Any) -> PgTurn | None:
         turn = await begin(*args, **kwargs)
-        if not paused_until:
+        if turn is not None and not paused_until:
             paused_until.append(time.monotonic() + pause)
             time.sleep(pause)  # noqa: ASYNC251 (the process stops: its loop with it)
         return turn
 
-    b._turns.begin = paused_begin  # type: ignore[method-assign]
+    if fair:
+        b._turns.early.begin = paused_begin
+    else:
+        b._turns.begin = paused_begin  # type: ignore[method-assign,assignment]
     holder = asyncio.create_task(a.run("k", hold))
     await until(lambda: len(fences) == 1, "the holder starts")
     waiter = asyncio.create_task(b.run("k", note))

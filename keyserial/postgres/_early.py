@@ -1,182 +1,310 @@
-"""Fair mode's turns: each call's transaction waits in the server from when the call registers.
+"""Fair mode's tickets: a waiting call holds a row of the ticket table, not a connection.
 
 In the default mode only the first call of a key in a process waits in the database, so a
 later call of another process can take the lock before an earlier call still queued here.
-With ``fair=True`` every call begins its turn's transaction when it registers: it takes a
-connection and asks for its locks at once, and the server's lock queue orders the calls of
-all processes by when their requests reached it.
+With ``fair=True`` every call takes a ticket when it registers: one row ``(lock, ticket,
+owner, seen)`` per key in the ticket table, ``<table>_tq``, the ticket drawn from the
+queue's sequence. Tickets order the calls of all processes by when their registration
+reached the server. A call begins its turn's transaction only once its ticket is at the
+head of each of its keys' lines, as the ticket's *verdict* says:
 
-Within a process, a call's request for a key must reach the server's queue after the
-earlier calls' requests for that key: requests sent on different connections may overtake
-each other on their way. So a call asks for a key's lock only once the previous call's
-request for it is known to be queued (or over): seen in ``pg_locks``, looked up by a short
-probe on a connection of the pool, and only while a later call waits for that answer.
+* ``go``: no live ticket is ahead, or only one, whose transaction is already in the
+  server's lock queue for the key (holding it or waiting for it). The turn begins and waits
+  in the server right behind it, so a hand-off costs what it costs in the default mode;
+* ``wait``: two or more live tickets are ahead. A notification (a call gave its ticket
+  back: ``pg_notify`` on the queue's channel, the key's lock id as payload) or the next
+  heartbeat asks again;
+* ``soon``: one ticket is ahead, and its transaction is not in the server's lock queue yet:
+  asked again shortly, then less and less often;
+* ``lost``: the row is gone (its process was stopped for so long that another process
+  cleared it): it registers again, with its process's later waiting tickets, in call order.
 
-The in-process queue still runs the calls of one process in order, and the turns it hands
-out agree with the server's: a process's requests for a key are queued in its call order.
+A ticket is live while its process's desk (below) holds its session's advisory lock, the
+*owner lock*, and its heartbeat refreshes ``seen`` every third of the lease: the tickets of
+a process that died are skipped at once (its sessions end with it), those of a process
+that stopped a lease later. So at
+most two transactions of a key are open at a time, the holder's and the next call's; every
+other waiting call holds only its row. Whether a ticket's transaction is in the server's
+lock queue is read in ``pg_locks``: the transaction first takes a try-lock whose two-int
+key is its ticket, then the keys' locks, on the same backend.
+
+Each process keeps one connection of its own for its tickets (the *desk*): it registers,
+asks verdicts, gives tickets back, beats the heartbeat and LISTENs, one batch at a time.
+It is opened on first use and closed once the process has had no ticket for a lease.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+import hashlib
+import inspect
+import itertools
+import logging
+import secrets
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import Any
 
+import psycopg
+from psycopg import AsyncConnection, sql
 from psycopg_pool import AsyncConnectionPool
 
 from .._background import Background
-from ._errors import naming
+from ._errors import PostgresUnavailable, SetupRequired, naming
+from ._setup import ensure_sequence, ensure_ticket_table, sequence, ticket_table
 from ._turn import PgTurn
 
 Task = asyncio.Task[Any]
+logger = logging.getLogger("keyserial")
 
-_U64 = 1 << 64
-_U32 = 0xFFFFFFFF
+#: How soon a ``soon`` verdict is asked again at first (then twice as long, up to the
+#: heartbeat's interval).
+FIRST_RETRY = 0.002
 
-#: How long the probe waits between two looks at ``pg_locks``.
-PROBE_INTERVAL = 0.002
-
-#: The advisory locks a backend holds or waits for, as ``pg_locks`` shows a bigint key.
-WAITING_OR_HELD = (
-    "SELECT classid::bigint, objid::bigint FROM pg_locks "
-    "WHERE locktype = 'advisory' AND objsubid = 1 AND pid = %s"
-)
+_LOW31 = (1 << 31) - 1
+_LOW32 = (1 << 32) - 1
 
 
-def lock_parts(lock: int) -> tuple[int, int]:
-    """How ``pg_locks`` shows the advisory lock of a bigint: its high and low 32 bits."""
-    unsigned = lock % _U64
-    return unsigned >> 32, unsigned & _U32
+def ticket_lock(ticket: int) -> tuple[int, int]:
+    """The two-int advisory try-lock that marks a ticket's transaction in ``pg_locks``.
+
+    Its first int is never negative; an owner lock's always is: the two never meet.
+    """
+    return ticket >> 31, ticket & _LOW31
+
+
+def new_owner() -> int:
+    """A process's owner id: a random negative bigint, so its owner lock's first int is
+    negative (see `ticket_lock`)."""
+    return -1 - secrets.randbits(63)
+
+
+def owner_lock(owner: int) -> tuple[int, int]:
+    """The two-int advisory lock the desk's session holds for ``owner``, as int4s."""
+    low = owner & _LOW32
+    return owner >> 32, low - (1 << 32) if low >= 1 << 31 else low
+
+
+class TicketSql:
+    """The statements of one queue's tickets: its table, channel, sequence and lease."""
+
+    def __init__(self, table: str, schema: str | None, lease: float, owner: int) -> None:
+        self.table = ticket_table(table, schema)
+        self.sequence = sequence(table, schema)
+        digest = hashlib.sha256(f"{schema}\0{table}".encode()).hexdigest()[:16]
+        #: The LISTEN channel of the queue's table: every process of the queue shares it.
+        self.channel = f"keyserial_{digest}"
+        self.owner = sql.Literal(owner)
+        self.lease = sql.Literal(f"{max(1, int(lease * 1000))} milliseconds")
+        self.gone = sql.Literal(f"{max(1, int(3 * lease * 1000))} milliseconds")
+
+    def verdict(self, ticket: sql.Composable) -> sql.Composed:
+        """An expression: ``ticket``'s verdict (see the module's docstring)."""
+        owner_alive = sql.SQL(
+            "SELECT 1 FROM pg_locks o WHERE o.locktype = 'advisory' AND o.objsubid = 2 "
+            "AND o.granted AND o.classid::bigint = (r.owner >> 32) & {low32} "
+            "AND o.objid::bigint = r.owner & {low32}"
+        ).format(low32=sql.Literal(_LOW32))
+        ahead = sql.SQL(
+            "FROM {t} m JOIN {t} r ON r.lock = m.lock AND r.ticket < m.ticket "
+            "WHERE m.ticket = {ticket} AND m.owner = {owner} "
+            "AND r.seen > clock_timestamp() - {lease}::interval AND EXISTS ({owner_alive})"
+        ).format(
+            t=self.table,
+            ticket=ticket,
+            owner=self.owner,
+            lease=self.lease,
+            owner_alive=owner_alive,
+        )
+        in_server = sql.SQL(
+            "SELECT 1 FROM pg_locks a JOIN pg_locks b ON b.pid = a.pid "
+            "WHERE a.locktype = 'advisory' AND a.objsubid = 2 AND a.granted "
+            "AND a.classid::bigint = r.ticket >> 31 AND a.objid::bigint = r.ticket & {low31} "
+            "AND b.locktype = 'advisory' AND b.objsubid = 1 "
+            "AND b.classid::bigint = (m.lock >> 32) & {low32} "
+            "AND b.objid::bigint = m.lock & {low32}"
+        ).format(low31=sql.Literal(_LOW31), low32=sql.Literal(_LOW32))
+        return sql.SQL(
+            "CASE WHEN NOT EXISTS (SELECT 1 FROM {t} m WHERE m.ticket = {ticket} "
+            "AND m.owner = {owner}) THEN 'lost' "
+            "WHEN EXISTS (SELECT 1 {ahead} GROUP BY m.lock HAVING count(*) > 1) THEN 'wait' "
+            "WHEN EXISTS (SELECT 1 {ahead} AND NOT EXISTS ({in_server})) THEN 'soon' "
+            "ELSE 'go' END"
+        ).format(t=self.table, ticket=ticket, owner=self.owner, ahead=ahead, in_server=in_server)
+
+    def register(self, locks: list[int]) -> sql.Composed:
+        """One call's rows, under one new ticket; returns the ticket."""
+        return sql.SQL(
+            "INSERT INTO {t} (lock, ticket, owner, seen) "
+            "SELECT l, n.ticket, {owner}, clock_timestamp() "
+            "FROM (SELECT nextval({seq}) AS ticket) n, unnest({locks}::bigint[]) l "
+            "RETURNING ticket"
+        ).format(
+            t=self.table,
+            owner=self.owner,
+            seq=sql.Literal(self.sequence.as_string(None)),
+            locks=sql.Literal(locks),
+        )
+
+    def verdicts(self, tickets: list[int]) -> sql.Composed:
+        return sql.SQL("SELECT t, {verdict} FROM unnest({tickets}::bigint[]) t").format(
+            verdict=self.verdict(sql.SQL("t")), tickets=sql.Literal(tickets)
+        )
+
+    def give_back(self, tickets: list[int], locks: list[int]) -> sql.Composed:
+        """Delete ``tickets``' rows; notify each of ``locks`` that its line moved."""
+        return sql.SQL(
+            "DELETE FROM {t} WHERE owner = {owner} AND ticket = ANY({tickets}::bigint[]); "
+            "SELECT pg_notify({channel}, l::text) FROM unnest({locks}::bigint[]) l"
+        ).format(
+            t=self.table,
+            owner=self.owner,
+            tickets=sql.Literal(tickets),
+            channel=sql.Literal(self.channel),
+            locks=sql.Literal(locks),
+        )
+
+    def heartbeat(self, tickets: list[int]) -> sql.Composed:
+        """Clear the rows of processes gone for three leases and this process's rows no
+        call holds; refresh the others, returning their tickets."""
+        return sql.SQL(
+            "DELETE FROM {t} WHERE seen < clock_timestamp() - {gone}::interval; "
+            "DELETE FROM {t} WHERE owner = {owner} AND ticket <> ALL({tickets}::bigint[]); "
+            "UPDATE {t} SET seen = clock_timestamp() WHERE owner = {owner} RETURNING ticket"
+        ).format(t=self.table, gone=self.gone, owner=self.owner, tickets=sql.Literal(tickets))
 
 
 class EarlyTurn:
     """One call's turn in fair mode, from its registration until the call takes it up.
 
-    Its begin task alone writes ``pid`` and ``since``; the futures of ``queued`` are set by
-    that task or its probe; the call's side alone writes ``taken`` and ``withdrawn``.
+    The desk alone writes ``ticket`` and sets ``verdict``; the begin task alone reads the
+    verdict and writes ``begun`` and ``since``; the call's side alone writes ``taken`` and
+    ``withdrawn``.
     """
 
     __slots__ = (
         "begin",
+        "begun",
         "keys",
-        "pid",
-        "probe",
-        "queued",
+        "order",
+        "retry",
         "since",
         "taken",
-        "watched",
+        "ticket",
+        "verdict",
         "withdrawn",
     )
 
-    def __init__(self, keys: Mapping[int, Hashable]) -> None:
+    def __init__(self, keys: Mapping[int, Hashable], order: int) -> None:
         loop = asyncio.get_running_loop()
         self.keys = keys
-        #: lock id -> set once this turn's request for it is in the server's queue, granted,
-        #: or will never be made: a later call of this process may then ask for it.
-        self.queued: dict[int, asyncio.Future[None]] = {key: loop.create_future() for key in keys}
-        self.pid: int | None = None  # the backend of its connection, once it has one
+        self.order = order  # registration order in this process
+        self.ticket: int | None = None
+        #: The desk's next answer for the ticket: a verdict, or why there will be none.
+        self.verdict: asyncio.Future[str] = loop.create_future()
+        self.retry = FIRST_RETRY
         self.since = loop.time()  # no later than the server's idle timer of the turn starts
         self.begin: asyncio.Task[PgTurn] | None = None
-        self.probe: Task | None = None
-        self.watched = False  # a later call waits for one of its requests
+        self.begun = False  # its transaction was asked for, on a connection of the pool
         self.taken = False
         self.withdrawn = False
 
-    def pending(self) -> list[asyncio.Future[None]]:
-        return [future for future in self.queued.values() if not future.done()]
-
-    def mark_queued(self, locks: Iterable[int]) -> None:
-        for lock in locks:
-            future = self.queued.get(lock)
-            if future is not None and not future.done():
-                future.set_result(None)
-
-    def release_all(self) -> None:
-        """Its requests are granted, failed or withdrawn: no later call waits on it now."""
-        self.mark_queued(self.queued)
-        if self.probe is not None:
-            self.probe.cancel()
+    def answer(self, verdict: str | BaseException) -> None:
+        if self.verdict.done():
+            return
+        if isinstance(verdict, BaseException):
+            self.verdict.set_exception(verdict)
+            self.verdict.exception()  # retrieved: a call that gave up never reads it
+        else:
+            self.verdict.set_result(verdict)
 
 
 class EarlyTurns:
-    """Fair mode's turns of one queue: begun at registration, taken up or withdrawn.
+    """Fair mode's turns of one queue in this process: tickets, and the desk that keeps them.
 
-    It alone writes ``latest`` (the latest call to ask for each lock) and ``background``.
-    ``begin`` begins a turn's transaction (``PostgresTurns.begin`` without a deadline);
+    It alone writes ``live``, ``parked`` and the desk's work lists. ``begin`` tries a
+    ticket's transaction (``PostgresTurns.begin_ticket``: None if the verdict changed),
     ``rollback`` ends one without keeping anything.
     """
 
     def __init__(
         self,
         pool: AsyncConnectionPool[Any],
+        table: str,
+        schema: str | None,
         lease: float,
-        begin: Callable[[EarlyTurn], Awaitable[PgTurn]],
+        begin: Callable[[EarlyTurn], Awaitable[PgTurn | None]],
         rollback: Callable[[PgTurn], Awaitable[None]],
     ) -> None:
         self.pool = pool
+        self.table = table
+        self.schema = schema
         self.lease = lease
         self.begin = begin
         self.rollback = rollback
-        #: lock id -> the latest call of this process to ask for it.
-        self.latest: dict[int, EarlyTurn] = {}
-        #: Turns given up and being rolled back, and probes, running on their own.
+        self.owner = new_owner()
+        self.sql = TicketSql(table, schema, lease, self.owner)
+        self.numbers = itertools.count()
+        #: order -> every call's turn not yet given back, in registration order.
+        self.live: dict[int, EarlyTurn] = {}
+        #: order -> turns whose verdict was ``wait``: asked again when their keys' lines move.
+        self.parked: dict[int, EarlyTurn] = {}
+        self.unregistered: list[EarlyTurn] = []
+        self.to_ask: dict[int, EarlyTurn] = {}
+        self.to_give_back: dict[int, tuple[int, ...]] = {}  # ticket -> its locks
+        self.desk: Task | None = None
+        self.work: asyncio.Event | None = None
+        self.closing = False  # the queue is closing: the desk ends as soon as it is idle
+        #: Turns given up and being rolled back, running on their own.
         self.background = Background("fair mode's background work")
 
+    # The call's side.
+
     def register(self, keys: Mapping[int, Hashable]) -> EarlyTurn:
-        """Begin the turn of a call registering now: its locks are asked for at once, each
-        after this process's earlier requests for it are queued in the server.
+        """Take a ticket for a call registering now, and begin its turn once the ticket's
+        verdict says so.
 
         The call takes it up with `take_up` when its turn in this process comes, or gives it
-        up with `withdraw`; one of the two must follow.
+        up with `withdraw`; one of the two must follow, then `withdraw` gives the ticket back.
         """
-        early = EarlyTurn(keys)
-        before: list[asyncio.Future[None]] = []
-        for lock in keys:
-            previous = self.latest.get(lock)
-            if previous is not None and not previous.queued[lock].done():
-                before.append(previous.queued[lock])
-                previous.watched = True
-                self.probe_if_watched(previous)
-            self.latest[lock] = early
-        early.begin = asyncio.get_running_loop().create_task(self._begin_early(early, before))
+        early = EarlyTurn(keys, next(self.numbers))
+        self.live[early.order] = early
+        self.unregistered.append(early)
+        self._poke()
+        early.begin = asyncio.get_running_loop().create_task(self._begin_early(early))
         return early
 
-    async def _begin_early(self, early: EarlyTurn, before: list[asyncio.Future[None]]) -> PgTurn:
-        try:
-            if before:
-                await asyncio.wait(before)  # waits without cancelling them
-            return await self.begin(early)
-        finally:
-            early.release_all()
-            for lock in early.keys:
-                if self.latest.get(lock) is early:
-                    del self.latest[lock]
-
-    def probe_if_watched(self, early: EarlyTurn) -> None:
-        """Look for ``early``'s requests in ``pg_locks`` once it has a connection and a
-        later call waits for them."""
-        if early.watched and early.pid is not None and early.probe is None and early.pending():
-            early.probe = self.background.spawn(self._probe(early))
-
-    async def _probe(self, early: EarlyTurn) -> None:
-        """Look in ``pg_locks`` until each of ``early``'s requests is seen queued (or over)."""
-        wanted = {lock_parts(lock): lock for lock in early.keys}
-        while early.pending():
-            async with self.pool.connection() as probe:
-                cursor = await probe.execute(WAITING_OR_HELD, (early.pid,))
-                seen = {(int(high), int(low)) for high, low in await cursor.fetchall()}
-            early.mark_queued(wanted[parts] for parts in seen if parts in wanted)
-            if early.pending():
-                await asyncio.sleep(PROBE_INTERVAL)
+    async def _begin_early(self, early: EarlyTurn) -> PgTurn:
+        loop = asyncio.get_running_loop()
+        while True:
+            verdict = await asyncio.shield(early.verdict)
+            early.verdict = loop.create_future()
+            self.parked.pop(early.order, None)
+            if verdict == "go":
+                early.begun = True
+                early.since = loop.time()
+                # Once its transaction is in the server's queue, this process's next turn of
+                # the same keys may wait right behind it.
+                loop.call_later(FIRST_RETRY, self._ask_heads, set(early.keys))
+                turn = await self.begin(early)
+                if turn is not None:
+                    return turn
+                early.begun = False
+                self._ask_later(early)
+            elif verdict == "soon":
+                self._ask_later(early)
+            elif verdict == "wait":
+                early.retry = FIRST_RETRY
+                self.parked[early.order] = early
+            else:  # lost
+                self._register_again(early)
 
     async def withdraw(self, early: EarlyTurn) -> None:
-        """The call of ``early`` ended without taking it up: stop its wait in the server, or
-        roll back its transaction if it already holds the locks; return once its connection
-        is back in the pool, as a call that waited itself would.
+        """The call of ``early`` ended: stop its turn, roll back its transaction if it holds
+        the locks but was not taken up, and give its ticket back.
 
-        Cancelled again meanwhile, it still waits for that (a wait left on the server would
-        take the key when it comes free), and is cancelled all the same.
+        Returns once its connection is back in the pool; cancelled again meanwhile, it still
+        waits for that, and is cancelled all the same.
         """
         giving_up = self.withdraw_soon(early)
         if giving_up is None:
@@ -191,25 +319,28 @@ class EarlyTurns:
 
     def withdraw_soon(self, early: EarlyTurn) -> Task | None:
         """`withdraw`, in the background; the task doing it, or None if nothing is to do."""
-        if early.taken or early.withdrawn or early.begin is None:
+        if early.withdrawn:
             return None
         early.withdrawn = True
-        return self.background.spawn(self._give_up(early.begin))
+        return self.background.spawn(self._give_up(early))
 
-    async def _give_up(self, begin: asyncio.Task[PgTurn]) -> None:
-        begin.cancel()  # a wait for the locks is cancelled in the server too
-        await asyncio.wait([begin])
-        if not begin.cancelled() and begin.exception() is None:
-            await self.rollback(begin.result())  # it had the locks already
+    async def _give_up(self, early: EarlyTurn) -> None:
+        begin = early.begin
+        if begin is not None and not early.taken:
+            begin.cancel()  # a wait for the locks is cancelled in the server too
+            await asyncio.wait([begin])
+            if not begin.cancelled() and begin.exception() is None:
+                await self.rollback(begin.result())  # it had the locks already
+        self._give_back(early)
 
     async def take_up(
         self, early: EarlyTurn, deadline: float | None, loop: asyncio.AbstractEventLoop
     ) -> PgTurn:
         """The turn ``early`` began, once it holds its locks, within ``deadline``.
 
-        Its wait in the server has no timeout of its own (the call's wait in this process
-        is bounded by the deadline too, and two timers racing could cancel the statement
-        twice): past the deadline, or cancelled, the call withdraws it.
+        Its wait has no timeout of its own (the call's wait in this process is bounded by
+        the deadline too, and two timers racing could cancel the statement twice): past the
+        deadline, or cancelled, the call withdraws it.
         """
         begin = early.begin
         assert begin is not None
@@ -228,6 +359,256 @@ class EarlyTurns:
         return begin.result()
 
     async def settle(self) -> None:
-        """Wait for this loop's background work of fair mode (turns given up being rolled
-        back), at most a lease."""
+        """Wait, at most a lease, until this process's tickets are given back and turns given
+        up are rolled back, then close the desk's connection."""
         await self.background.wait(self.lease)
+        desk = self.desk
+        if desk is None or desk.done():
+            return
+        self.closing = True  # the desk ends once no call holds a ticket and its work is done
+        self._poke()
+        await asyncio.wait([desk], timeout=self.lease)
+        if not desk.done():  # calls of this process still hold tickets: they keep the desk
+            self.closing = False
+
+    # The desk's work lists: written here, drained by the desk.
+
+    def _poke(self) -> None:
+        if self.desk is None or self.desk.done():
+            self.work = asyncio.Event()
+            self.desk = asyncio.get_running_loop().create_task(self._serve())
+        assert self.work is not None
+        self.work.set()
+
+    def _ask(self, early: EarlyTurn) -> None:
+        if early.order in self.live and not early.withdrawn:
+            self.to_ask[early.order] = early
+            self._poke()
+
+    def _ask_later(self, early: EarlyTurn) -> None:
+        delay, early.retry = early.retry, min(early.retry * 2, self.lease / 3)
+        asyncio.get_running_loop().call_later(delay, self._ask, early)
+
+    def _register_again(self, lost: EarlyTurn) -> None:
+        """``lost`` and this process's later turns not begun take new tickets, in order."""
+        for early in list(self.live.values()):
+            if early.order < lost.order or early.begun or early.ticket is None:
+                continue
+            self.parked.pop(early.order, None)
+            self.to_ask.pop(early.order, None)
+            self.to_give_back[early.ticket] = tuple(early.keys)
+            early.ticket = None  # its begin task waits for the verdict of its new ticket
+            self.unregistered.append(early)
+        self.unregistered.sort(key=lambda early: early.order)
+        self._poke()
+
+    def _give_back(self, early: EarlyTurn) -> None:
+        self.live.pop(early.order, None)
+        self.parked.pop(early.order, None)
+        self.to_ask.pop(early.order, None)
+        if early in self.unregistered:
+            self.unregistered.remove(early)
+        if early.ticket is not None:
+            self.to_give_back[early.ticket] = tuple(early.keys)
+            self._poke()
+        # The next turn of this process on its keys may now be near the head.
+        self._ask_heads(set(early.keys))
+
+    def _ask_heads(self, locks: set[int] | None) -> None:
+        """Ask again for the first parked turn of this process on each of ``locks`` (all)."""
+        seen: set[int] = set()
+        for early in sorted(self.parked.values(), key=lambda early: early.order):
+            wanted = [lock for lock in early.keys if (locks is None or lock in locks)]
+            if any(lock not in seen for lock in wanted):
+                seen.update(wanted)
+                del self.parked[early.order]
+                self._ask(early)
+
+    # The desk: one connection, one batch at a time.
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        beat = self.lease / 3
+        connection: AsyncConnection[Any] | None = None
+        next_beat = loop.time() + beat
+        idle_since: float | None = None
+        try:
+            while True:
+                if connection is None:
+                    connection = await self._connect()
+                    if connection is None:
+                        return  # unreachable, and nothing left to do
+                    # Notifications may have been missed, and tickets lost, meanwhile.
+                    next_beat = loop.time()
+                try:
+                    now = loop.time()
+                    if now >= next_beat:
+                        next_beat = now + beat
+                        await self._heartbeat(connection)
+                        self._ask_heads(None)
+                    elif self.unregistered or self.to_ask or self.to_give_back:
+                        await self._work(connection)
+                    elif not self.live:
+                        idle_since = now if idle_since is None else idle_since
+                        if self.closing or now - idle_since >= self.lease:
+                            return
+                        await self._listen(connection, min(next_beat, idle_since + self.lease))
+                    else:
+                        idle_since = None
+                        await self._listen(connection, next_beat)
+                except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                    await _close(connection)
+                    connection = None
+                    logger.debug("keyserial: the ticket connection broke: %r", exc)
+        finally:
+            if connection is not None:
+                await _close(connection)
+
+    async def _connect(self) -> AsyncConnection[Any] | None:
+        """The desk's connection, listening, once the queue's objects exist.
+
+        Tried twice; if the server cannot be reached, every call still waiting for a
+        verdict gets ``PostgresUnavailable`` (it holds nothing, as a call of the default
+        mode whose connection broke), and the desk tries again each third of a lease while
+        calls of this process hold tickets; None once none does.
+        """
+        while True:
+            failure: BaseException | None = None
+            for _ in range(2):
+                try:
+                    connection = await self._open()
+                except SetupRequired as exc:
+                    failure = exc
+                    break
+                except psycopg.Error as exc:
+                    failure = PostgresUnavailable(f"PostgreSQL is unreachable: {exc}")
+                    continue
+                return connection
+            assert failure is not None
+            for early in list(self.live.values()):
+                if not early.begun:
+                    early.answer(failure)
+            self.unregistered.clear()
+            self.to_ask.clear()
+            self.parked.clear()
+            self.to_give_back.clear()  # the heartbeat clears what is left, once back
+            if not self.live:
+                return None
+            await asyncio.sleep(self.lease / 3)
+
+    async def _open(self) -> AsyncConnection[Any]:
+        conninfo: str = await resolved(self.pool.conninfo)
+        kwargs: dict[str, Any] = dict(await resolved(self.pool.kwargs) or {})
+        kwargs["autocommit"] = True
+        connection = await psycopg.AsyncConnection.connect(conninfo, **kwargs)
+        try:
+            await ensure_sequence(connection, self.table, self.schema)
+            await ensure_ticket_table(connection, self.table, self.schema)
+            await connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.sql.channel)))
+            # Held for the session's life: the server drops it when the process dies.
+            await connection.execute(
+                "SELECT pg_try_advisory_lock(%s, %s)", owner_lock(self.owner), prepare=False
+            )
+        except BaseException:
+            await _close(connection)
+            raise
+        return connection
+
+    async def _work(self, connection: AsyncConnection[Any]) -> None:
+        """One batch, one round trip: give tickets back, register, ask verdicts."""
+        giving = self.to_give_back
+        self.to_give_back = {}
+        registering = [early for early in self.unregistered if not early.withdrawn]
+        self.unregistered = []
+        asking = [e for e in self.to_ask.values() if e.ticket is not None and not e.begun]
+        self.to_ask = {}
+        statements: list[sql.Composable] = []
+        if giving:
+            locks = sorted({lock for held in giving.values() for lock in held})
+            statements.append(self.sql.give_back(list(giving), locks))
+        statements.extend(self.sql.register(list(early.keys)) for early in registering)
+        try:
+            if statements:
+                cursor = await connection.execute(sql.SQL("; ").join(statements))
+                results = await _results(cursor)
+                tickets = results[len(results) - len(registering) :]  # the last: one each
+                for early, rows in zip(registering, tickets, strict=True):
+                    early.ticket = int(rows[0][0])
+            asking.extend(registering)
+            if asking:
+                cursor = await connection.execute(self.sql.verdicts([e.ticket for e in asking]))  # type: ignore[misc]
+                verdicts = {int(t): str(v) for t, v in await cursor.fetchall()}
+                for early in asking:
+                    early.answer(verdicts[early.ticket])  # type: ignore[index]
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            self.unregistered[:0] = registering  # asked again on the next connection
+            for early in asking:
+                self._ask(early)
+            for ticket, held in giving.items():
+                self.to_give_back.setdefault(ticket, held)
+            raise
+        except psycopg.Error as exc:
+            error: BaseException = PostgresUnavailable(f"fair mode's tickets failed: {exc}")
+            if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+                error = SetupRequired(
+                    f"this role may not use the ticket table of fair mode ({exc}): run "
+                    "'python -m keyserial.postgres setup <dsn> --grant <role>' once"
+                )
+            for early in registering + asking:
+                early.answer(error)
+
+    async def _heartbeat(self, connection: AsyncConnection[Any]) -> None:
+        mine = [e.ticket for e in self.live.values() if e.ticket is not None]
+        cursor = await connection.execute(self.sql.heartbeat(mine))
+        kept = {int(row[0]) for row in (await _results(cursor))[-1]}
+        for early in list(self.live.values()):
+            if early.ticket is not None and not early.begun and early.ticket not in kept:
+                self._register_again(early)
+                break  # it takes the later ones along
+
+    async def _listen(self, connection: AsyncConnection[Any], until: float) -> None:
+        """Take notifications until ``until`` or until there is work for the desk."""
+        work = self.work
+        assert work is not None
+        work.clear()
+        loop = asyncio.get_running_loop()
+        listening = loop.create_task(self._receive(connection, max(0.0, until - loop.time())))
+        woken = loop.create_task(work.wait())
+        try:
+            await asyncio.wait([listening, woken], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (listening, woken):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await woken
+            try:
+                await listening
+            except asyncio.CancelledError:
+                if not listening.cancelled():
+                    raise
+
+    async def _receive(self, connection: AsyncConnection[Any], timeout: float) -> None:
+        async for notify in connection.notifies(timeout=timeout):
+            with contextlib.suppress(ValueError):
+                self._ask_heads({int(notify.payload)})
+
+
+async def _results(cursor: psycopg.AsyncCursor[Any]) -> list[list[Any]]:
+    """The rows of every statement of a multi-statement query, in order (none for those
+    without rows)."""
+    results: list[list[Any]] = []
+    while True:
+        results.append(list(await cursor.fetchall()) if cursor.description else [])
+        if not cursor.nextset():
+            return results
+
+
+async def _close(connection: AsyncConnection[Any]) -> None:
+    with contextlib.suppress(Exception):
+        await connection.close()
+
+
+async def resolved(setting: object) -> Any:
+    """A pool setting's value: the pool may hold it as a function, sync or async."""
+    value = setting() if callable(setting) else setting
+    return await value if inspect.isawaitable(value) else value

@@ -9,6 +9,7 @@ from typing import Any
 
 from .._protocols import KeyLock
 from .._turns import BlockTurn, TurnRecord, enter_turn, leave_turn
+from ._early import EarlyTurn
 from ._turn import PgTurn, SessionKeeper
 from ._turns import PostgresTurns
 
@@ -23,6 +24,7 @@ class PostgresLock:
     """
 
     __slots__ = (
+        "_early",
         "_entered",
         "_keys",
         "_local",
@@ -43,6 +45,7 @@ class PostgresLock:
         self._keys = keys
         self._timeout = timeout
         self._entered: tuple[Task, PgTurn, SessionKeeper | None] | None = None
+        self._early: EarlyTurn | None = None  # fair mode: the block's ticket, while open
         self._record: TurnRecord | None = None  # the block's turn, while open
 
     async def __aenter__(self) -> None:
@@ -50,7 +53,7 @@ class PostgresLock:
         deadline = None if self._timeout is None else loop.time() + self._timeout
         task: Task = asyncio.current_task()  # type: ignore[assignment]
         turns = self._turns
-        # Fair mode: the block's transaction asks for its locks as it registers (see _early).
+        # Fair mode: the block takes its ticket as it registers (see _early).
         early = turns.early.register(self._keys) if turns.fair and task not in turns.held else None
         try:
             await self._local.__aenter__()
@@ -61,8 +64,13 @@ class PostgresLock:
         try:
             turn, keeper = await turns.enter(task, self._keys, deadline, early)
         except BaseException:
-            await self._local.__aexit__(None, None, None)
+            try:
+                await self._local.__aexit__(None, None, None)
+            finally:
+                if early is not None:
+                    await turns.early.withdraw(early)
             raise
+        self._early = early
         self._entered = (task, turn, keeper)
         self._record = enter_turn(task, BlockTurn(turn), tuple(self._keys))
 
@@ -83,3 +91,6 @@ class PostgresLock:
         finally:
             # The process's own turn is given back whatever became of the transaction.
             await self._local.__aexit__(exc_type, exc, tb)
+            early, self._early = self._early, None
+            if early is not None:
+                await self._turns.early.withdraw(early)  # gives its ticket back

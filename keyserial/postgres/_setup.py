@@ -1,9 +1,11 @@
-"""The fence sequence: the one database object the queue needs, and how an operator makes it.
+"""The queue's database objects, and how an operator makes them.
 
-A role that may create objects in the schema gets the sequence made on first use. A role with
-less (the usual application role) needs it made beforehand, once, by ``setup_sql()`` in a
+Every queue needs its fence sequence, ``<table>_seq``; a queue with ``fair=True`` also needs
+its ticket table, ``<table>_tq``, where waiting calls keep their tickets (see ``_early``). A
+role that may create objects in the schema gets them made on first use. A role with less
+(the usual application role) needs them made beforehand, once, by ``setup_sql()`` in a
 migration or by ``python -m keyserial.postgres setup``; it then needs only ``USAGE`` on the
-schema and on the sequence.
+schema and on the sequence, and ``SELECT, INSERT, UPDATE, DELETE`` on the ticket table.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ DEFAULT_TABLE = "keyserial_fences"
 #: The longest identifier PostgreSQL keeps, in bytes (NAMEDATALEN - 1); a longer one is cut.
 MAX_IDENTIFIER = 63
 _SUFFIX = "_seq"
+#: The ticket table's suffix: no longer than the sequence's, so the same limit keeps both.
+_TICKETS_SUFFIX = "_tq"
 
 
 def check_names(table: str, schema: str | None) -> None:
@@ -65,6 +69,36 @@ def sequence(table: str = DEFAULT_TABLE, schema: str | None = None) -> sql.Ident
     return _qualified(table + _SUFFIX, schema)
 
 
+def ticket_table(table: str = DEFAULT_TABLE, schema: str | None = None) -> sql.Identifier:
+    """The ticket table of a fair queue made with ``table=`` and ``schema=``: ``<table>_tq``.
+
+    Raises:
+        TypeError, ValueError: as `check_names`.
+    """
+    check_names(table, schema)
+    return _qualified(table + _TICKETS_SUFFIX, schema)
+
+
+def _ticket_table_sql(name: sql.Identifier) -> sql.Composed:
+    # UNLOGGED: tickets live for seconds, and a process whose tickets a crash took
+    # registers them again (see _early); no write-ahead log is spent on them.
+    return sql.SQL(
+        "CREATE UNLOGGED TABLE IF NOT EXISTS {} (\n"
+        "    lock bigint NOT NULL,\n"
+        "    ticket bigint NOT NULL,\n"
+        "    owner bigint NOT NULL,\n"
+        "    seen timestamptz NOT NULL,\n"
+        "    PRIMARY KEY (lock, ticket)\n"
+        ")"
+    ).format(name)
+
+
+def _ticket_grant_sql(name: sql.Identifier, role: str) -> sql.Composed:
+    return sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {}").format(
+        name, sql.Identifier(role)
+    )
+
+
 def _qualified(name: str, schema: str | None) -> sql.Identifier:
     """``name`` in ``schema``, or as the search path finds it."""
     return sql.Identifier(name) if schema is None else sql.Identifier(schema, name)
@@ -73,27 +107,38 @@ def _qualified(name: str, schema: str | None) -> sql.Identifier:
 def setup_sql(
     *, table: str = DEFAULT_TABLE, schema: str | None = None, grant_to: str | None = None
 ) -> str:
-    """The SQL that makes the fence sequence of a queue, for a migration tool.
+    """The SQL that makes a queue's fence sequence and ticket table, for a migration tool.
 
     Run it once, as a role that may create objects in the schema, with the same ``table``
     and ``schema`` the queue is given. ``grant_to`` names the application's role, which then
-    needs no ``CREATE`` privilege: ``USAGE`` on the schema and on the sequence are enough.
+    needs no ``CREATE`` privilege. The ticket table serves queues with ``fair=True``; it
+    stays empty otherwise.
 
     Example:
         ```pycon
         >>> print(setup_sql(grant_to="app"))
         CREATE SEQUENCE IF NOT EXISTS "keyserial_fences_seq";
+        CREATE UNLOGGED TABLE IF NOT EXISTS "keyserial_fences_tq" (
+            lock bigint NOT NULL,
+            ticket bigint NOT NULL,
+            owner bigint NOT NULL,
+            seen timestamptz NOT NULL,
+            PRIMARY KEY (lock, ticket)
+        );
         GRANT USAGE ON SEQUENCE "keyserial_fences_seq" TO "app";
+        GRANT SELECT, INSERT, UPDATE, DELETE ON "keyserial_fences_tq" TO "app";
 
         ```
     """
     name = sequence(table, schema)
-    lines = [sql.SQL("CREATE SEQUENCE IF NOT EXISTS {};").format(name)]
+    tickets = ticket_table(table, schema)
+    lines = [sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(name), _ticket_table_sql(tickets)]
     if grant_to is not None:
         lines.append(
-            sql.SQL("GRANT USAGE ON SEQUENCE {} TO {};").format(name, sql.Identifier(grant_to))
+            sql.SQL("GRANT USAGE ON SEQUENCE {} TO {}").format(name, sql.Identifier(grant_to))
         )
-    return "\n".join(line.as_string(None) for line in lines)
+        lines.append(_ticket_grant_sql(tickets, grant_to))
+    return "\n".join(line.as_string(None) + ";" for line in lines)
 
 
 async def ensure_sequence(connection: AsyncConnection[Any], table: str, schema: str | None) -> None:
@@ -127,6 +172,30 @@ async def ensure_sequence(connection: AsyncConnection[Any], table: str, schema: 
             )
 
 
+async def ensure_ticket_table(
+    connection: AsyncConnection[Any], table: str, schema: str | None
+) -> None:
+    """Make a fair queue's ticket table if it is missing (by whichever process is first).
+
+    Raises:
+        SetupRequired: the table is missing and this role may not create it.
+    """
+    name = ticket_table(table, schema)
+    async with connection.transaction():
+        if await _exists(connection, name):
+            return
+        await connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK,))
+        try:
+            await connection.execute(_ticket_table_sql(name))
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise SetupRequired(
+                f"the ticket table {name.as_string(connection)} of fair mode does not exist, and "
+                "this role may not create it: run 'python -m keyserial.postgres setup <dsn> "
+                "--grant <role>' or the SQL of keyserial.postgres.setup_sql() once, as a role "
+                "that may"
+            ) from exc
+
+
 async def _exists(connection: AsyncConnection[Any], name: sql.Identifier) -> bool:
     found = await connection.execute("SELECT to_regclass(%s)", (name.as_string(connection),))
     row = await found.fetchone()
@@ -140,7 +209,8 @@ async def setup(
     schema: str | None = None,
     grant_to: str | None = None,
 ) -> None:
-    """Make the fence sequence on the database at ``conninfo``, and grant its use.
+    """Make the fence sequence and the ticket table on the database at ``conninfo``, and
+    grant their use.
 
     Raises:
         SetupRequired: the role of ``conninfo`` may not create the sequence.
@@ -148,12 +218,14 @@ async def setup(
     """
     async with await AsyncConnection.connect(conninfo) as connection:
         await ensure_sequence(connection, table, schema)
+        await ensure_ticket_table(connection, table, schema)
         if grant_to is not None:
             await connection.execute(
                 sql.SQL("GRANT USAGE ON SEQUENCE {} TO {}").format(
                     sequence(table, schema), sql.Identifier(grant_to)
                 )
             )
+            await connection.execute(_ticket_grant_sql(ticket_table(table, schema), grant_to))
         await connection.commit()
 
 
@@ -161,11 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m keyserial.postgres setup DSN [--table T] [--schema S] [--grant ROLE]``."""
     parser = argparse.ArgumentParser(
         prog="python -m keyserial.postgres",
-        description="Make the fence sequence a PostgresKeyedQueue needs (once, as a role "
-        "that may create objects in the schema).",
+        description="Make the fence sequence and ticket table a PostgresKeyedQueue needs "
+        "(once, as a role that may create objects in the schema).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    command = commands.add_parser("setup", help="create the fence sequence and grant its use")
+    command = commands.add_parser("setup", help="create the queue's objects and grant their use")
     command.add_argument("dsn", help="a connection string, e.g. postgresql://admin@db/app")
     command.add_argument("--table", default=DEFAULT_TABLE, help="the queue's table= argument")
     command.add_argument("--schema", default=None, help="the queue's schema= argument")
@@ -176,4 +248,4 @@ def main(argv: list[str] | None = None) -> None:
         print(setup_sql(table=args.table, schema=args.schema, grant_to=args.grant))
         return
     asyncio.run(setup(args.dsn, table=args.table, schema=args.schema, grant_to=args.grant))
-    print(f"the fence sequence {args.table}_seq is ready")
+    print(f"the fence sequence {args.table}_seq and the ticket table {args.table}_tq are ready")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import weakref
 from collections.abc import Coroutine, Hashable, Mapping
@@ -25,7 +24,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from .._errors import DeadlockError
-from ._early import EarlyTurn, EarlyTurns
+from ._early import EarlyTurn, EarlyTurns, resolved, ticket_lock
 from ._errors import (
     CommitInDoubt,
     LeaseExpired,
@@ -115,15 +114,16 @@ class PostgresTurns:
         self.next_fence = sql.SQL("SELECT nextval({})").format(
             sql.Literal(self.sequence.as_string(None))
         )
-        #: Fair mode's turns begun at registration (see _early).
-        self.early = EarlyTurns(pool, lease, self._begin_early, self.rollback)
+        #: Fair mode's tickets, and the turns they begin (see _early).
+        self.early = EarlyTurns(pool, table, schema, lease, self.begin_ticket, self.rollback)
+        #: The turn's verdict, kept for its statements (a setting of its transaction only).
+        self.go = sql.SQL("current_setting('keyserial.turn') = 'go'")
 
     async def begin(
         self,
         keys: Mapping[int, Hashable],
         deadline: float | None,
         loop: asyncio.AbstractEventLoop,
-        early: EarlyTurn | None = None,
     ) -> PgTurn:
         """Take a connection and lock ``keys`` (lock id -> the caller's key) in a new transaction.
 
@@ -134,11 +134,47 @@ class PostgresTurns:
             DeadlockError: PostgreSQL's deadlock detector chose this wait.
             PostgresUnavailable: the server could not be reached, or the connection broke.
         """
+        connection = await self._connection(keys, deadline, loop)
+        try:
+            if not self.table_ready:
+                await ensure_sequence(connection, self.table, self.schema)
+                self.table_ready = True
+            _, fence = await self._statements(connection, keys, deadline, loop, begin=True)
+        except BaseException:
+            await self._discard(connection)
+            raise
+        return PgTurn(connection, fence, set(keys))
+
+    async def begin_ticket(self, early: EarlyTurn) -> PgTurn | None:
+        """Begin the turn of a fair-mode ticket whose verdict was ``go``; None if, by the
+        time its statements ran, it was not (see _early). No deadline: the call bounds it.
+
+        Raises:
+            As ``begin``.
+        """
+        loop = asyncio.get_running_loop()
+        connection = await self._connection(early.keys, None, loop)
+        try:
+            verdict, fence = await self._statements(
+                connection, early.keys, None, loop, begin=True, ticket=early.ticket
+            )
+        except BaseException:
+            await self._discard(connection)
+            raise
+        if verdict != "go":
+            await self._discard(connection)
+            return None
+        return PgTurn(connection, fence, set(early.keys))
+
+    async def _connection(
+        self, keys: Mapping[int, Hashable], deadline: float | None, loop: asyncio.AbstractEventLoop
+    ) -> AsyncConnection[Any]:
+        """A connection of the pool for a turn of ``keys``, watched (see `_watch`)."""
         wait = None if deadline is None else deadline - loop.time()
         if wait is not None and wait <= 0:
             raise TimeoutError(f"timed out waiting for the turn of {naming(keys)}")
         try:
-            connection = await self.pool.getconn(timeout=wait)
+            connection: AsyncConnection[Any] = await self.pool.getconn(timeout=wait)
         except PoolClosed as exc:
             raise RuntimeError(
                 f"the connection pool of the queue is not open ({exc}): open it before the "
@@ -155,27 +191,14 @@ class PostgresTurns:
                 raise PoolExhausted(
                     f"no connection for the turn of {naming(keys)}: every connection of the "
                     f"pool (max_size={self.pool.max_size}) stayed in use for its timeout "
-                    f"({self.pool.timeout:g} s); a process holds one per "
-                    f"{'call' if self.fair else 'key'} it runs or waits for in the database: "
-                    "raise the pool's max_size"
+                    f"({self.pool.timeout:g} s); a process holds one per key it runs or waits "
+                    "for in the database: raise the pool's max_size"
                 ) from exc
             raise PostgresUnavailable(f"PostgreSQL is unreachable: {unreachable}") from exc
         except psycopg.OperationalError as exc:
             raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
         self._watch(connection)
-        if early is not None:
-            early.pid = connection.info.backend_pid
-            early.since = loop.time()
-            self.early.probe_if_watched(early)
-        try:
-            if not self.table_ready:
-                await ensure_sequence(connection, self.table, self.schema)
-                self.table_ready = True
-            fence = await self._statements(connection, keys, deadline, loop, begin=True)
-        except BaseException:
-            await self._discard(connection)
-            raise
-        return PgTurn(connection, fence, set(keys))
+        return connection
 
     def _watch(self, connection: AsyncConnection[Any]) -> None:
         """Note when the server ends ``connection``'s session for idling past the lease.
@@ -205,8 +228,8 @@ class PostgresTurns:
         server is down times out the same way as one whose connections are all in use.
         """
         try:
-            conninfo: str = await _resolved(self.pool.conninfo)
-            kwargs: dict[str, Any] = dict(await _resolved(self.pool.kwargs) or {})
+            conninfo: str = await resolved(self.pool.conninfo)
+            kwargs: dict[str, Any] = dict(await resolved(self.pool.kwargs) or {})
             kwargs["connect_timeout"] = 5
             probe = await psycopg.AsyncConnection.connect(conninfo, **kwargs)
         except psycopg.Error as exc:
@@ -222,7 +245,7 @@ class PostgresTurns:
         loop: asyncio.AbstractEventLoop,
     ) -> int:
         """Lock more ``keys`` in ``turn``'s transaction (a nested call); their first fence."""
-        fence = await self._statements(turn.connection, keys, deadline, loop, begin=False)
+        _, fence = await self._statements(turn.connection, keys, deadline, loop, begin=False)
         turn.keys.update(keys)
         return fence
 
@@ -234,7 +257,9 @@ class PostgresTurns:
         loop: asyncio.AbstractEventLoop,
         *,
         begin: bool,
-    ) -> int:
+        ticket: int | None = None,
+    ) -> tuple[str | None, int]:
+        """Run the turn's statements; its verdict (a ticket's turn, else None) and fence."""
         lock_timeout = "0"  # wait as long as it takes
         if deadline is not None:
             left = deadline - loop.time()
@@ -248,8 +273,8 @@ class PostgresTurns:
                 # the connection goes back to the pool.
                 self.autocommit[id(connection)] = connection.autocommit
                 await connection.set_autocommit(True)
-            statements = self._lock_statements(connection, keys, lock_timeout, begin)
-            first = await _cancelled_once(statements)
+            statements = self._lock_statements(connection, keys, lock_timeout, begin, ticket)
+            last = await _cancelled_once(statements)
         except psycopg.errors.LockNotAvailable as exc:
             raise TimeoutError(f"timed out waiting for the turn of {naming(keys)}") from exc
         except psycopg.errors.DeadlockDetected as exc:
@@ -261,8 +286,10 @@ class PostgresTurns:
             ) from exc
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
-        assert first is not None
-        return int(first[0])
+        assert last is not None
+        if ticket is None:
+            return None, int(last[0])
+        return str(last[0]), -1 if last[1] is None else int(last[1])
 
     async def _lock_statements(
         self,
@@ -270,8 +297,13 @@ class PostgresTurns:
         keys: Mapping[int, Hashable],
         lock_timeout: str,
         begin: bool,
+        ticket: int | None,
     ) -> tuple[Any, ...] | None:
         """One round trip: BEGIN, the turn's settings, the locks, the fence; the fence's row.
+
+        A fair-mode ``ticket`` first has its verdict asked again, in the transaction: its
+        try-lock and the keys' locks are taken only if it is ``go``; the last row is then
+        the verdict and the fence (None when not ``go``).
 
         Sent as one simple query of several statements, not in pipeline mode: the server
         arms its idle-in-transaction timer after a simple query, but not after the Sync
@@ -290,12 +322,32 @@ class PostgresTurns:
         statements.append(
             sql.SQL("SELECT set_config('lock_timeout', {}, true)").format(sql.Literal(lock_timeout))
         )
+        gate: sql.Composable = sql.SQL("")
+        if ticket is not None:
+            statements.append(
+                sql.SQL("SELECT set_config('keyserial.turn', {}, true)").format(
+                    self.early.sql.verdict(sql.Literal(ticket))
+                )
+            )
+            gate = sql.SQL(" WHERE {}").format(self.go)
+            statements.append(
+                sql.SQL("SELECT pg_try_advisory_xact_lock({}, {}){}").format(
+                    *map(sql.Literal, ticket_lock(ticket)), gate
+                )
+            )
         statements.extend(
-            sql.SQL("SELECT pg_advisory_xact_lock({})").format(sql.Literal(key))
+            sql.SQL("SELECT pg_advisory_xact_lock({}){}").format(sql.Literal(key), gate)
             for key in sorted(keys)
         )
         statements.append(sql.SQL("SET LOCAL lock_timeout TO DEFAULT"))
-        statements.append(self.next_fence)  # after the locks: ordered
+        if ticket is None:
+            statements.append(self.next_fence)  # after the locks: ordered
+        else:
+            statements.append(
+                sql.SQL(
+                    "SELECT current_setting('keyserial.turn'), CASE WHEN {} THEN nextval({}) END"
+                ).format(self.go, sql.Literal(self.sequence.as_string(None)))
+            )
         cursor = await connection.execute(sql.SQL("; ").join(statements))
         while cursor.nextset():  # the fence is the last statement's row
             pass
@@ -364,10 +416,6 @@ class PostgresTurns:
             await connection.set_autocommit(self.autocommit.pop(id(connection), False))
         with contextlib.suppress(Exception):
             await self.pool.putconn(connection)
-
-    async def _begin_early(self, early: EarlyTurn) -> PgTurn:
-        # No deadline: the call bounds the wait (see EarlyTurns.take_up).
-        return await self.begin(early.keys, None, asyncio.get_running_loop(), early)
 
     async def enter(
         self,
@@ -503,9 +551,3 @@ def _commit_error(exc: BaseException, timed_out: str | None = None) -> BaseExcep
         "the connection broke while the turn's COMMIT was on its way: its writes may or may "
         f"not have been kept; read them back before retrying ({exc})"
     )
-
-
-async def _resolved(setting: object) -> Any:
-    """A pool setting's value: the pool may hold it as a function, sync or async."""
-    value = setting() if callable(setting) else setting
-    return await value if inspect.isawaitable(value) else value
