@@ -122,8 +122,9 @@ async def hold(dsn: str, key: str, lease: float, mode: str = "hold") -> None:
 
 
 async def order(dsn: str, fair: bool, arguments: list[str]) -> None:
-    # Fair mode holds a connection per waiting call: room for every call of this process.
-    async with AsyncConnectionPool(dsn, min_size=1, max_size=11, open=False) as pool:
+    # A pool smaller than the calls this process has waiting at once: in fair mode they wait
+    # with tickets, so the order holds whatever the pool's size.
+    async with AsyncConnectionPool(dsn, min_size=1, max_size=3, open=False) as pool:
         queue = PostgresKeyedQueue(pool, namespace="order", lease=5.0, fair=fair)
 
         async def hold(seconds: float) -> None:

@@ -389,3 +389,28 @@ async def test_the_setup_sql_is_what_a_migration_needs(postgres_dsn: str, app_ro
         check=True,
     )
     assert printed.stdout.strip() == setup_sql(table="fences")
+
+
+async def test_a_connection_that_died_idle_in_the_pool_is_replaced_once(
+    pools: Pools, postgres_dsn: str
+) -> None:
+    # The server ended the pool's only connection while it sat idle (a restart, an
+    # operator): the call's first statement finds it dead, and the turn begins again on a
+    # new one instead of failing a call that never reached the server.
+    pool = await pools(min_size=1, max_size=1)
+    queue = PostgresKeyedQueue(pool, namespace="idle")
+    async with pool.connection() as conn:
+        pid = conn.info.backend_pid
+    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as admin:
+        await admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        for _ in range(200):
+            cursor = await admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,))
+            if not await cursor.fetchall():
+                break
+            await asyncio.sleep(0.01)
+
+    async def backend() -> int:
+        return connection().info.backend_pid
+
+    assert await queue.run("k", backend) != pid
+    await queue.aclose()

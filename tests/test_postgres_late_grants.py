@@ -46,9 +46,9 @@ async def test_locks_granted_before_a_pause_never_start_the_function_late(
     begin = b._turns.early.begin if fair else b._turns.begin
     paused_until: list[float] = []
 
-    async def paused_begin(*args: Any, **kwargs: Any) -> PgTurn | None:
+    async def paused_begin(*args: Any, **kwargs: Any) -> PgTurn:
         turn = await begin(*args, **kwargs)
-        if turn is not None and not paused_until:
+        if not paused_until:
             paused_until.append(time.monotonic() + pause)
             time.sleep(pause)  # noqa: ASYNC251 (the process stops: its loop with it)
         return turn
@@ -56,7 +56,7 @@ async def test_locks_granted_before_a_pause_never_start_the_function_late(
     if fair:
         b._turns.early.begin = paused_begin
     else:
-        b._turns.begin = paused_begin  # type: ignore[method-assign,assignment]
+        b._turns.begin = paused_begin  # type: ignore[method-assign]
     holder = asyncio.create_task(a.run("k", hold))
     await until(lambda: len(fences) == 1, "the holder starts")
     waiter = asyncio.create_task(b.run("k", note))

@@ -12,10 +12,10 @@ head of each of its keys' lines, as the ticket's *verdict* says:
   server's lock queue for the key (holding it or waiting for it). The turn begins and waits
   in the server right behind it, so a hand-off costs what it costs in the default mode;
 * ``wait``: two or more live tickets are ahead. A notification (a call gave its ticket
-  back: ``pg_notify`` on the queue's channel, the key's lock id as payload) or the next
-  heartbeat asks again;
-* ``soon``: one ticket is ahead, and its transaction is not in the server's lock queue yet:
-  asked again shortly, then less and less often;
+  back, in its commit or later: ``pg_notify`` on the queue's channel, the key's lock id as
+  payload) or the next heartbeat asks again;
+* ``soon``: one ticket is ahead, and its transaction is not in the server's lock queue yet
+  (it is on its way): asked again shortly, then less and less often;
 * ``lost``: the row is gone (its process was stopped for so long that another process
   cleared it): it registers again, with its process's later waiting tickets, in call order.
 
@@ -57,9 +57,10 @@ from ._turn import PgTurn
 Task = asyncio.Task[Any]
 logger = logging.getLogger("keyserial")
 
-#: How soon a ``soon`` verdict is asked again at first (then twice as long, up to the
-#: heartbeat's interval).
-FIRST_RETRY = 0.002
+#: How soon a ticket told ``soon`` is asked again (then twice as long each time, up to
+#: ``LAST_RETRY``): the transaction ahead of it is on its way to the server's queue.
+FIRST_RETRY = 0.001
+LAST_RETRY = 0.05
 
 _LOW31 = (1 << 31) - 1
 _LOW32 = (1 << 32) - 1
@@ -133,12 +134,11 @@ class TicketSql:
         ).format(t=self.table, ticket=ticket, owner=self.owner, ahead=ahead, in_server=in_server)
 
     def register(self, locks: list[int]) -> sql.Composed:
-        """One call's rows, under one new ticket; returns the ticket."""
+        """One call's rows, under one new ticket."""
         return sql.SQL(
             "INSERT INTO {t} (lock, ticket, owner, seen) "
             "SELECT l, n.ticket, {owner}, clock_timestamp() "
-            "FROM (SELECT nextval({seq}) AS ticket) n, unnest({locks}::bigint[]) l "
-            "RETURNING ticket"
+            "FROM (SELECT nextval({seq}) AS ticket) n, unnest({locks}::bigint[]) l"
         ).format(
             t=self.table,
             owner=self.owner,
@@ -146,22 +146,51 @@ class TicketSql:
             locks=sql.Literal(locks),
         )
 
-    def verdicts(self, tickets: list[int]) -> sql.Composed:
-        return sql.SQL("SELECT t, {verdict} FROM unnest({tickets}::bigint[]) t").format(
-            verdict=self.verdict(sql.SQL("t")), tickets=sql.Literal(tickets)
+    def prepare(self) -> sql.Composed:
+        """Prepare, in the desk's session, the query of the verdicts of tickets.
+
+        The desk's session plans it once (``plan_cache_mode``): its subqueries over
+        ``pg_locks`` cost more to plan than to run.
+        """
+        return sql.SQL(
+            "SET plan_cache_mode = force_generic_plan; "
+            "PREPARE keyserial_verdicts(bigint[]) AS "
+            "SELECT t, {verdict} FROM unnest($1::bigint[]) t"
+        ).format(verdict=self.verdict(sql.SQL("t")))
+
+    def new_verdict(self) -> sql.Composed:
+        """The ticket just drawn in this session, and its verdict (after `register`)."""
+        return sql.SQL("EXECUTE keyserial_verdicts(ARRAY[currval({})])").format(
+            sql.Literal(self.sequence.as_string(None))
         )
 
+    def verdicts(self, tickets: list[int]) -> sql.Composed:
+        return sql.SQL("EXECUTE keyserial_verdicts({}::bigint[])").format(sql.Literal(tickets))
+
     def give_back(self, tickets: list[int], locks: list[int]) -> sql.Composed:
-        """Delete ``tickets``' rows; notify each of ``locks`` that its line moved."""
+        """Delete ``tickets``' rows; tell each of ``locks``' lines who may now go.
+
+        The payload, ``<lock>:<ticket>``, names the second ticket of the line (the first is
+        the next call's, in the server's queue already), or the first if it is alone: only
+        the calls up to it are asked again. A ticket named that is dead or stopped leaves
+        the line to the heartbeat, which asks every parked call.
+        """
+        next_up = sql.SQL(
+            "COALESCE((SELECT ticket FROM {t} WHERE lock = l ORDER BY ticket OFFSET 1 LIMIT 1), "
+            "(SELECT min(ticket) FROM {t} WHERE lock = l))"
+        ).format(t=self.table)
         return sql.SQL(
             "DELETE FROM {t} WHERE owner = {owner} AND ticket = ANY({tickets}::bigint[]); "
-            "SELECT pg_notify({channel}, l::text) FROM unnest({locks}::bigint[]) l"
+            "SELECT pg_notify({channel}, l || ':' || h) "
+            "FROM unnest({locks}::bigint[]) l, LATERAL (SELECT {next_up}) x(h) "
+            "WHERE h IS NOT NULL"
         ).format(
             t=self.table,
             owner=self.owner,
             tickets=sql.Literal(tickets),
             channel=sql.Literal(self.channel),
             locks=sql.Literal(locks),
+            next_up=next_up,
         )
 
     def heartbeat(self, tickets: list[int]) -> sql.Composed:
@@ -222,9 +251,9 @@ class EarlyTurn:
 class EarlyTurns:
     """Fair mode's turns of one queue in this process: tickets, and the desk that keeps them.
 
-    It alone writes ``live``, ``parked`` and the desk's work lists. ``begin`` tries a
-    ticket's transaction (``PostgresTurns.begin_ticket``: None if the verdict changed),
-    ``rollback`` ends one without keeping anything.
+    It alone writes ``live``, ``parked`` and the desk's work lists. ``begin`` begins a
+    ticket's transaction (``PostgresTurns.begin_ticket``), ``rollback`` ends one without
+    keeping anything.
     """
 
     def __init__(
@@ -233,7 +262,7 @@ class EarlyTurns:
         table: str,
         schema: str | None,
         lease: float,
-        begin: Callable[[EarlyTurn], Awaitable[PgTurn | None]],
+        begin: Callable[[EarlyTurn], Awaitable[PgTurn]],
         rollback: Callable[[PgTurn], Awaitable[None]],
     ) -> None:
         self.pool = pool
@@ -253,6 +282,8 @@ class EarlyTurns:
         self.to_ask: dict[int, EarlyTurn] = {}
         self.to_give_back: dict[int, tuple[int, ...]] = {}  # ticket -> its locks
         self.desk: Task | None = None
+        #: The desk's connection while it has one (written by the desk alone).
+        self.connection: AsyncConnection[Any] | None = None
         self.work: asyncio.Event | None = None
         self.closing = False  # the queue is closing: the desk ends as soon as it is idle
         #: Turns given up and being rolled back, running on their own.
@@ -279,25 +310,14 @@ class EarlyTurns:
         while True:
             verdict = await asyncio.shield(early.verdict)
             early.verdict = loop.create_future()
-            self.parked.pop(early.order, None)
             if verdict == "go":
                 early.begun = True
                 early.since = loop.time()
-                # Once its transaction is in the server's queue, this process's next turn of
-                # the same keys may wait right behind it.
-                loop.call_later(FIRST_RETRY, self._ask_heads, set(early.keys))
-                turn = await self.begin(early)
-                if turn is not None:
-                    return turn
-                early.begun = False
-                self._ask_later(early)
-            elif verdict == "soon":
-                self._ask_later(early)
-            elif verdict == "wait":
-                early.retry = FIRST_RETRY
-                self.parked[early.order] = early
-            else:  # lost
+                return await self.begin(early)
+            if verdict == "lost":
                 self._register_again(early)
+            # wait: the desk parked it, and a notification or the heartbeat asks again;
+            # soon: the desk asks again shortly
 
     async def withdraw(self, early: EarlyTurn) -> None:
         """The call of ``early`` ended: stop its turn, roll back its transaction if it holds
@@ -385,8 +405,9 @@ class EarlyTurns:
             self.to_ask[early.order] = early
             self._poke()
 
-    def _ask_later(self, early: EarlyTurn) -> None:
-        delay, early.retry = early.retry, min(early.retry * 2, self.lease / 3)
+    def _ask_soon(self, early: EarlyTurn) -> None:
+        """Ask again for ``early`` (told ``soon``) shortly, then less and less often."""
+        delay, early.retry = early.retry, min(early.retry * 2, LAST_RETRY, self.lease / 3)
         asyncio.get_running_loop().call_later(delay, self._ask, early)
 
     def _register_again(self, lost: EarlyTurn) -> None:
@@ -408,19 +429,31 @@ class EarlyTurns:
         self.to_ask.pop(early.order, None)
         if early in self.unregistered:
             self.unregistered.remove(early)
-        if early.ticket is not None:
+        begin = early.begin
+        committed = (
+            early.taken
+            and begin is not None
+            and begin.done()
+            and not begin.cancelled()
+            and begin.exception() is None
+            and begin.result().ticket is None  # its commit gave the ticket back
+        )
+        if early.ticket is not None and not committed:
             self.to_give_back[early.ticket] = tuple(early.keys)
             self._poke()
-        # The next turn of this process on its keys may now be near the head.
-        self._ask_heads(set(early.keys))
 
-    def _ask_heads(self, locks: set[int] | None) -> None:
-        """Ask again for the first parked turn of this process on each of ``locks`` (all)."""
+    def _ask_heads(self, up_to: Mapping[int, int] | None) -> None:
+        """Ask again for the first parked turn of this process on each lock of ``up_to``
+        whose ticket is no later than the lock's ticket there (None: on every lock)."""
         seen: set[int] = set()
         for early in sorted(self.parked.values(), key=lambda early: early.order):
-            wanted = [lock for lock in early.keys if (locks is None or lock in locks)]
-            if any(lock not in seen for lock in wanted):
-                seen.update(wanted)
+            wanted = [lock for lock in early.keys if up_to is None or lock in up_to]
+            first = [lock for lock in wanted if lock not in seen]
+            seen.update(wanted)
+            ticket = early.ticket
+            if first and (
+                up_to is None or any(ticket is not None and ticket <= up_to[lock] for lock in first)
+            ):
                 del self.parked[early.order]
                 self._ask(early)
 
@@ -435,7 +468,7 @@ class EarlyTurns:
         try:
             while True:
                 if connection is None:
-                    connection = await self._connect()
+                    connection = self.connection = await self._connect()
                     if connection is None:
                         return  # unreachable, and nothing left to do
                     # Notifications may have been missed, and tickets lost, meanwhile.
@@ -458,9 +491,10 @@ class EarlyTurns:
                         await self._listen(connection, next_beat)
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                     await _close(connection)
-                    connection = None
+                    connection = self.connection = None
                     logger.debug("keyserial: the ticket connection broke: %r", exc)
         finally:
+            self.connection = None
             if connection is not None:
                 await _close(connection)
 
@@ -505,6 +539,7 @@ class EarlyTurns:
             await ensure_sequence(connection, self.table, self.schema)
             await ensure_ticket_table(connection, self.table, self.schema)
             await connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.sql.channel)))
+            await connection.execute(self.sql.prepare())
             # Held for the session's life: the server drops it when the process dies.
             await connection.execute(
                 "SELECT pg_try_advisory_lock(%s, %s)", owner_lock(self.owner), prepare=False
@@ -515,31 +550,30 @@ class EarlyTurns:
         return connection
 
     async def _work(self, connection: AsyncConnection[Any]) -> None:
-        """One batch, one round trip: give tickets back, register, ask verdicts."""
-        giving = self.to_give_back
-        self.to_give_back = {}
+        """One batch, one round trip: give tickets back, register (each new ticket with its
+        verdict), ask verdicts; park the calls told to wait."""
+        giving, self.to_give_back = self.to_give_back, {}
         registering = [early for early in self.unregistered if not early.withdrawn]
         self.unregistered = []
         asking = [e for e in self.to_ask.values() if e.ticket is not None and not e.begun]
         self.to_ask = {}
         statements: list[sql.Composable] = []
+        kinds: list[tuple[str, EarlyTurn | None]] = []  # what each statement's result is
         if giving:
             locks = sorted({lock for held in giving.values() for lock in held})
             statements.append(self.sql.give_back(list(giving), locks))
-        statements.extend(self.sql.register(list(early.keys)) for early in registering)
+            kinds += [("given back", None), ("notified", None)]
+        for early in registering:
+            statements += [self.sql.register(list(early.keys)), self.sql.new_verdict()]
+            kinds += [("registered", early), ("verdict", early)]
+        if asking:
+            statements.append(self.sql.verdicts([early.ticket or 0 for early in asking]))
+            kinds.append(("verdicts", None))
+        if not statements:
+            return
         try:
-            if statements:
-                cursor = await connection.execute(sql.SQL("; ").join(statements))
-                results = await _results(cursor)
-                tickets = results[len(results) - len(registering) :]  # the last: one each
-                for early, rows in zip(registering, tickets, strict=True):
-                    early.ticket = int(rows[0][0])
-            asking.extend(registering)
-            if asking:
-                cursor = await connection.execute(self.sql.verdicts([e.ticket for e in asking]))  # type: ignore[misc]
-                verdicts = {int(t): str(v) for t, v in await cursor.fetchall()}
-                for early in asking:
-                    early.answer(verdicts[early.ticket])  # type: ignore[index]
+            cursor = await connection.execute(sql.SQL("; ").join(statements))
+            results = await _results(cursor)
         except (psycopg.OperationalError, psycopg.InterfaceError):
             self.unregistered[:0] = registering  # asked again on the next connection
             for early in asking:
@@ -556,6 +590,24 @@ class EarlyTurns:
                 )
             for early in registering + asking:
                 early.answer(error)
+            return
+        verdicts: dict[int, str] = {}
+        for (kind, registered), rows in zip(kinds, results, strict=True):
+            if kind == "verdict" and registered is not None:
+                registered.ticket = int(rows[0][0])
+                verdicts[registered.ticket] = str(rows[0][1])
+            elif kind == "verdicts":
+                verdicts.update((int(ticket), str(verdict)) for ticket, verdict in rows)
+        for asked in registering + asking:
+            verdict = verdicts[asked.ticket or 0]
+            if verdict == "wait" and asked.order in self.live:
+                # Parked before the answer: a notification read after this batch asks again.
+                self.parked[asked.order] = asked
+            elif verdict == "soon":
+                self._ask_soon(asked)
+            else:
+                asked.retry = FIRST_RETRY
+            asked.answer(verdict)
 
     async def _heartbeat(self, connection: AsyncConnection[Any]) -> None:
         mine = [e.ticket for e in self.live.values() if e.ticket is not None]
@@ -589,8 +641,9 @@ class EarlyTurns:
 
     async def _receive(self, connection: AsyncConnection[Any], timeout: float) -> None:
         async for notify in connection.notifies(timeout=timeout):
+            lock, _, ticket = notify.payload.partition(":")
             with contextlib.suppress(ValueError):
-                self._ask_heads({int(notify.payload)})
+                self._ask_heads({int(lock): int(ticket)})
 
 
 async def _results(cursor: psycopg.AsyncCursor[Any]) -> list[list[Any]]:

@@ -15,15 +15,24 @@ class PgTurn:
     """A turn: the connection whose open transaction holds the keys' advisory locks.
 
     ``fence`` is the first key's counter, bumped in the same transaction; ``keys`` are the
-    lock ids this transaction holds (nested turns of the same task add to them).
+    lock ids this transaction holds (nested turns of the same task add to them). In fair
+    mode, ``ticket`` is the call's ticket while its rows are still to be given back (its
+    commit does it, then sets it to None).
     """
 
-    __slots__ = ("connection", "fence", "keys")
+    __slots__ = ("connection", "fence", "keys", "ticket")
 
-    def __init__(self, connection: AsyncConnection[Any], fence: int, keys: set[int]) -> None:
+    def __init__(
+        self,
+        connection: AsyncConnection[Any],
+        fence: int,
+        keys: set[int],
+        ticket: int | None = None,
+    ) -> None:
         self.connection = connection
         self.fence = fence
         self.keys = keys
+        self.ticket = ticket
 
     def fence_of(self, key: Hashable) -> int | None:
         """The turn's fence (a record's owner: see keyserial._turns)."""

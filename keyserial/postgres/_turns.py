@@ -116,16 +116,19 @@ class PostgresTurns:
         )
         #: Fair mode's tickets, and the turns they begin (see _early).
         self.early = EarlyTurns(pool, table, schema, lease, self.begin_ticket, self.rollback)
-        #: The turn's verdict, kept for its statements (a setting of its transaction only).
-        self.go = sql.SQL("current_setting('keyserial.turn') = 'go'")
 
     async def begin(
         self,
         keys: Mapping[int, Hashable],
         deadline: float | None,
         loop: asyncio.AbstractEventLoop,
+        ticket: int | None = None,
     ) -> PgTurn:
         """Take a connection and lock ``keys`` (lock id -> the caller's key) in a new transaction.
+
+        ``ticket``: fair mode's ticket whose verdict was ``go`` (see _early); the transaction
+        first takes its try-lock, which shows it in the server's queue. A connection that
+        died while idle in the pool (the server restarted, or ended it) is replaced once.
 
         Raises:
             TimeoutError: the deadline passed (waiting for a connection or for the locks).
@@ -134,37 +137,36 @@ class PostgresTurns:
             DeadlockError: PostgreSQL's deadlock detector chose this wait.
             PostgresUnavailable: the server could not be reached, or the connection broke.
         """
-        connection = await self._connection(keys, deadline, loop)
-        try:
-            if not self.table_ready:
-                await ensure_sequence(connection, self.table, self.schema)
-                self.table_ready = True
-            _, fence = await self._statements(connection, keys, deadline, loop, begin=True)
-        except BaseException:
-            await self._discard(connection)
-            raise
-        return PgTurn(connection, fence, set(keys))
+        for attempt in (1, 2):
+            connection = await self._connection(keys, deadline, loop)
+            try:
+                if not self.table_ready:
+                    await ensure_sequence(connection, self.table, self.schema)
+                    self.table_ready = True
+                fence = await self._statements(
+                    connection, keys, deadline, loop, begin=True, ticket=ticket
+                )
+            except (PostgresUnavailable, psycopg.OperationalError) as exc:
+                await self._discard(connection)
+                if attempt == 1 and connection.broken:
+                    continue  # it holds nothing: its session ended, maybe before it was lent
+                if isinstance(exc, PostgresUnavailable):
+                    raise
+                raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
+            except BaseException:
+                await self._discard(connection)
+                raise
+            return PgTurn(connection, fence, set(keys), ticket)
+        raise AssertionError("unreachable")
 
-    async def begin_ticket(self, early: EarlyTurn) -> PgTurn | None:
-        """Begin the turn of a fair-mode ticket whose verdict was ``go``; None if, by the
-        time its statements ran, it was not (see _early). No deadline: the call bounds it.
+    async def begin_ticket(self, early: EarlyTurn) -> PgTurn:
+        """Begin the turn of a fair-mode ticket whose verdict was ``go``; no deadline (the
+        call bounds the wait).
 
         Raises:
             As ``begin``.
         """
-        loop = asyncio.get_running_loop()
-        connection = await self._connection(early.keys, None, loop)
-        try:
-            verdict, fence = await self._statements(
-                connection, early.keys, None, loop, begin=True, ticket=early.ticket
-            )
-        except BaseException:
-            await self._discard(connection)
-            raise
-        if verdict != "go":
-            await self._discard(connection)
-            return None
-        return PgTurn(connection, fence, set(early.keys))
+        return await self.begin(early.keys, None, asyncio.get_running_loop(), early.ticket)
 
     async def _connection(
         self, keys: Mapping[int, Hashable], deadline: float | None, loop: asyncio.AbstractEventLoop
@@ -245,7 +247,7 @@ class PostgresTurns:
         loop: asyncio.AbstractEventLoop,
     ) -> int:
         """Lock more ``keys`` in ``turn``'s transaction (a nested call); their first fence."""
-        _, fence = await self._statements(turn.connection, keys, deadline, loop, begin=False)
+        fence = await self._statements(turn.connection, keys, deadline, loop, begin=False)
         turn.keys.update(keys)
         return fence
 
@@ -258,8 +260,8 @@ class PostgresTurns:
         *,
         begin: bool,
         ticket: int | None = None,
-    ) -> tuple[str | None, int]:
-        """Run the turn's statements; its verdict (a ticket's turn, else None) and fence."""
+    ) -> int:
+        """Run the turn's statements; its fence."""
         lock_timeout = "0"  # wait as long as it takes
         if deadline is not None:
             left = deadline - loop.time()
@@ -287,9 +289,7 @@ class PostgresTurns:
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
         assert last is not None
-        if ticket is None:
-            return None, int(last[0])
-        return str(last[0]), -1 if last[1] is None else int(last[1])
+        return int(last[0])
 
     async def _lock_statements(
         self,
@@ -301,9 +301,7 @@ class PostgresTurns:
     ) -> tuple[Any, ...] | None:
         """One round trip: BEGIN, the turn's settings, the locks, the fence; the fence's row.
 
-        A fair-mode ``ticket`` first has its verdict asked again, in the transaction: its
-        try-lock and the keys' locks are taken only if it is ``go``; the last row is then
-        the verdict and the fence (None when not ``go``).
+        A fair-mode ``ticket``'s try-lock comes before the keys' locks (see _early).
 
         Sent as one simple query of several statements, not in pipeline mode: the server
         arms its idle-in-transaction timer after a simple query, but not after the Sync
@@ -322,32 +320,18 @@ class PostgresTurns:
         statements.append(
             sql.SQL("SELECT set_config('lock_timeout', {}, true)").format(sql.Literal(lock_timeout))
         )
-        gate: sql.Composable = sql.SQL("")
         if ticket is not None:
             statements.append(
-                sql.SQL("SELECT set_config('keyserial.turn', {}, true)").format(
-                    self.early.sql.verdict(sql.Literal(ticket))
-                )
-            )
-            gate = sql.SQL(" WHERE {}").format(self.go)
-            statements.append(
-                sql.SQL("SELECT pg_try_advisory_xact_lock({}, {}){}").format(
-                    *map(sql.Literal, ticket_lock(ticket)), gate
+                sql.SQL("SELECT pg_try_advisory_xact_lock({}, {})").format(
+                    *map(sql.Literal, ticket_lock(ticket))
                 )
             )
         statements.extend(
-            sql.SQL("SELECT pg_advisory_xact_lock({}){}").format(sql.Literal(key), gate)
+            sql.SQL("SELECT pg_advisory_xact_lock({})").format(sql.Literal(key))
             for key in sorted(keys)
         )
         statements.append(sql.SQL("SET LOCAL lock_timeout TO DEFAULT"))
-        if ticket is None:
-            statements.append(self.next_fence)  # after the locks: ordered
-        else:
-            statements.append(
-                sql.SQL(
-                    "SELECT current_setting('keyserial.turn'), CASE WHEN {} THEN nextval({}) END"
-                ).format(self.go, sql.Literal(self.sequence.as_string(None)))
-            )
+        statements.append(self.next_fence)  # after the locks: ordered
         cursor = await connection.execute(sql.SQL("; ").join(statements))
         while cursor.nextset():  # the fence is the last statement's row
             pass
@@ -377,14 +361,21 @@ class PostgresTurns:
             if stalled:
                 raise _lease_expired("before its commit")
             raise PostgresUnavailable("the turn's connection was lost before its commit")
+        commit: sql.SQL | sql.Composed = sql.SQL("COMMIT")
+        if turn.ticket is not None:
+            # Fair mode: the ticket is given back with the locks, and its keys' lines
+            # notified, in the same commit (see _early).
+            locks = sorted(turn.keys)
+            commit = sql.SQL("{}; COMMIT").format(self.early.sql.give_back([turn.ticket], locks))
         try:
-            await connection.execute("COMMIT")
+            await connection.execute(commit)
         except BaseException as exc:
             await self._discard(connection)
             error = _commit_error(exc, self.timed_out.get(connection))
             if error is exc:
                 raise
             raise error from exc
+        turn.ticket = None
         await connection.set_autocommit(self.autocommit.pop(id(connection), False))
         await self.pool.putconn(connection)
 
