@@ -147,3 +147,51 @@ async def test_an_idle_process_closes_the_connection_of_its_tickets(pools: Pools
     await queue.run("k", work)  # and opened again for the next call
     await queue.aclose()
     assert await _connections(watcher) == baseline, "aclose closes the ticket connection"
+
+
+async def test_tickets_lost_while_waiting_are_taken_again_in_call_order(pools: Pools) -> None:
+    # A process stopped for three leases finds its waiting tickets cleared by the others'
+    # heartbeat: its calls take new ones, in their order, behind the calls made meanwhile.
+    first, second, watcher = await pools(), await pools(), await pools()
+    a = PostgresKeyedQueue(first, namespace="t", lease=0.3, fair=True)
+    b = PostgresKeyedQueue(second, namespace="t", lease=0.3, fair=True)
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        order.append("hold")
+        await release.wait()
+
+    async def note(name: str) -> None:
+        order.append(name)
+
+    holder = asyncio.create_task(a.run("k", hold))
+    await until(lambda: order == ["hold"], "the holder starts")
+    calls = [asyncio.create_task(b.run("k", note, "b0"))]  # the next: in the server's queue
+    await _until_tickets(watcher, 2)
+    calls += [asyncio.create_task(a.run("k", note, name)) for name in ("a1", "a2")]
+    await _until_tickets(watcher, 4)
+    # a's next heartbeat, which finds its tickets gone, waits until b1 has registered.
+    beat_again = asyncio.Event()
+    heartbeat = a._turns.early._heartbeat  # pyright: ignore[reportPrivateUsage]
+
+    async def held_heartbeat(connection: Any) -> None:
+        await beat_again.wait()
+        await heartbeat(connection)
+
+    a._turns.early._heartbeat = held_heartbeat  # type: ignore[method-assign]
+    async with watcher.connection() as conn:  # what another process's heartbeat does
+        await conn.execute(
+            "DELETE FROM keyserial_fences_tq WHERE ticket IN "
+            "(SELECT ticket FROM keyserial_fences_tq ORDER BY ticket DESC LIMIT 2)"
+        )
+    calls.append(asyncio.create_task(b.run("k", note, "b1")))
+    await _until_tickets(watcher, 3)
+    beat_again.set()
+    await _until_tickets(watcher, 5)  # a1's and a2's again
+    release.set()
+    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    assert order == ["hold", "b0", "b1", "a1", "a2"]
+    await a.aclose()
+    await b.aclose()
+    assert await _tickets(watcher) == 0

@@ -206,12 +206,14 @@ class TicketSql:
 class EarlyTurn:
     """One call's turn in fair mode, from its registration until the call takes it up.
 
-    The desk alone writes ``ticket`` and sets ``verdict``; the begin task alone reads the
-    verdict and writes ``begun`` and ``since``; the call's side alone writes ``taken`` and
-    ``withdrawn``.
+    The desk alone writes ``ticket``, ``retry`` and ``verdict`` (the latest answer, which
+    replaces one not read yet: it is the newer word) and sets ``answered``; the begin task
+    alone reads the verdict and writes ``begun`` and ``since``; the call's side alone writes
+    ``taken`` and ``withdrawn``.
     """
 
     __slots__ = (
+        "answered",
         "begin",
         "begun",
         "keys",
@@ -229,8 +231,9 @@ class EarlyTurn:
         self.keys = keys
         self.order = order  # registration order in this process
         self.ticket: int | None = None
-        #: The desk's next answer for the ticket: a verdict, or why there will be none.
-        self.verdict: asyncio.Future[str] = loop.create_future()
+        #: The desk's latest answer for the ticket: a verdict, or why there will be none.
+        self.verdict: str | BaseException | None = None
+        self.answered = asyncio.Event()
         self.retry = FIRST_RETRY
         self.since = loop.time()  # no later than the server's idle timer of the turn starts
         self.begin: asyncio.Task[PgTurn] | None = None
@@ -239,13 +242,22 @@ class EarlyTurn:
         self.withdrawn = False
 
     def answer(self, verdict: str | BaseException) -> None:
-        if self.verdict.done():
-            return
+        self.verdict = verdict
+        self.answered.set()
+
+    async def next_verdict(self) -> str:
+        """The desk's next answer.
+
+        Raises:
+            PostgresUnavailable, SetupRequired: the desk could not ask.
+        """
+        await self.answered.wait()
+        self.answered.clear()
+        verdict, self.verdict = self.verdict, None
         if isinstance(verdict, BaseException):
-            self.verdict.set_exception(verdict)
-            self.verdict.exception()  # retrieved: a call that gave up never reads it
-        else:
-            self.verdict.set_result(verdict)
+            raise verdict
+        assert verdict is not None
+        return verdict
 
 
 class EarlyTurns:
@@ -308,8 +320,7 @@ class EarlyTurns:
     async def _begin_early(self, early: EarlyTurn) -> PgTurn:
         loop = asyncio.get_running_loop()
         while True:
-            verdict = await asyncio.shield(early.verdict)
-            early.verdict = loop.create_future()
+            verdict = await early.next_verdict()
             if verdict == "go":
                 early.begun = True
                 early.since = loop.time()
@@ -493,6 +504,13 @@ class EarlyTurns:
                     await _close(connection)
                     connection = self.connection = None
                     logger.debug("keyserial: the ticket connection broke: %r", exc)
+                except Exception as exc:
+                    # Not the connection's failure: the calls waiting for a verdict are told,
+                    # rather than left waiting for one that would never come.
+                    logger.warning("keyserial: fair mode's tickets failed: %r", exc)
+                    self._fail_waiting(PostgresUnavailable(f"fair mode's tickets failed: {exc}"))
+                    await _close(connection)
+                    connection = self.connection = None
         finally:
             self.connection = None
             if connection is not None:
@@ -519,16 +537,20 @@ class EarlyTurns:
                     continue
                 return connection
             assert failure is not None
-            for early in list(self.live.values()):
-                if not early.begun:
-                    early.answer(failure)
-            self.unregistered.clear()
-            self.to_ask.clear()
-            self.parked.clear()
+            self._fail_waiting(failure)
             self.to_give_back.clear()  # the heartbeat clears what is left, once back
             if not self.live:
                 return None
             await asyncio.sleep(self.lease / 3)
+
+    def _fail_waiting(self, failure: BaseException) -> None:
+        """Tell every call still waiting for a verdict that none will come."""
+        for early in list(self.live.values()):
+            if not early.begun:
+                early.answer(failure)
+        self.unregistered.clear()
+        self.to_ask.clear()
+        self.parked.clear()
 
     async def _open(self) -> AsyncConnection[Any]:
         conninfo: str = await resolved(self.pool.conninfo)
@@ -596,11 +618,15 @@ class EarlyTurns:
             if kind == "verdict" and registered is not None:
                 registered.ticket = int(rows[0][0])
                 verdicts[registered.ticket] = str(rows[0][1])
+                if registered.order not in self.live:  # its call ended meanwhile
+                    self.to_give_back[registered.ticket] = tuple(registered.keys)
             elif kind == "verdicts":
                 verdicts.update((int(ticket), str(verdict)) for ticket, verdict in rows)
         for asked in registering + asking:
-            verdict = verdicts[asked.ticket or 0]
-            if verdict == "wait" and asked.order in self.live:
+            verdict = verdicts.get(asked.ticket or 0)
+            if verdict is None or asked.order not in self.live:
+                continue  # it registers again, or its call ended, meanwhile
+            if verdict == "wait":
                 # Parked before the answer: a notification read after this batch asks again.
                 self.parked[asked.order] = asked
             elif verdict == "soon":
