@@ -7,12 +7,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from keyserial.postgres import PostgresKeyedQueue
+from keyserial import current_fence
+from keyserial.postgres import PostgresKeyedQueue, lock_id
+from keyserial.postgres._early import TicketSql, new_owner, owner_lock, ticket_lock
+from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
 
 from .conftest import Pools
+from .postgres_server import private_database
 from .redis_helpers import until
 
 pytestmark = pytest.mark.asyncio
@@ -61,12 +66,14 @@ async def test_twenty_waiting_calls_of_four_processes_hold_tickets_and_run_in_ca
     queues = [PostgresKeyedQueue(pool, namespace="t", fair=True) for pool in processes]
     release = asyncio.Event()
     order: list[int] = []
+    fences: list[int | None] = []
 
     async def hold() -> None:
         await release.wait()
 
     async def note(call: int) -> None:
         order.append(call)
+        fences.append(current_fence())  # drawn once the server granted the turn
 
     holder = asyncio.create_task(queues[0].run("k", hold))
     await _until_tickets(watcher, 1)
@@ -82,7 +89,7 @@ async def test_twenty_waiting_calls_of_four_processes_hold_tickets_and_run_in_ca
     assert pooled <= 2 + 1, f"the pools opened {pooled} connections"
     release.set()
     await asyncio.wait_for(asyncio.gather(holder, *calls), 20)
-    assert order == list(range(20))
+    assert order == list(range(20)), list(zip(order, fences, strict=True))
     for queue in queues:
         await queue.aclose()
     assert await _tickets(watcher) == 0, "a ticket outlived its call"
@@ -131,7 +138,7 @@ async def test_a_call_that_gives_up_leaves_no_ticket_and_no_gap(pools: Pools, ho
 
 async def test_an_idle_process_closes_the_connection_of_its_tickets(pools: Pools) -> None:
     pool, watcher = await pools(min_size=1, max_size=2), await pools(max_size=1)
-    queue = PostgresKeyedQueue(pool, namespace="t", lease=0.3, fair=True)
+    queue = PostgresKeyedQueue(pool, namespace="t", lease=1.0, fair=True)
 
     async def work() -> None:
         return None
@@ -139,7 +146,7 @@ async def test_an_idle_process_closes_the_connection_of_its_tickets(pools: Pools
     baseline = await _connections(watcher)
     await queue.run("k", work)
     assert await _connections(watcher) == baseline + 1, "the ticket connection is kept a while"
-    for _ in range(400):  # closed a lease after the last ticket was given back
+    for _ in range(1000):  # closed a lease after the last ticket was given back
         if await _connections(watcher) == baseline:
             break
         await asyncio.sleep(0.01)
@@ -195,3 +202,34 @@ async def test_tickets_lost_while_waiting_are_taken_again_in_call_order(pools: P
     await a.aclose()
     await b.aclose()
     assert await _tickets(watcher) == 0
+
+
+async def test_a_verdict_reads_the_locks_of_its_own_database_only(postgres_dsn: str) -> None:
+    # Ticket 100 is ahead of ticket 101 and its transaction is not in this database's lock
+    # queue: 101 must wait ("soon"). A transaction of another database on the same server
+    # holds the same ticket's try-lock and the same key's lock: pg_locks shows it too, and
+    # read without its database it would have let 101 go past 100.
+    owner_a, owner_b = new_owner(), new_owner()
+    key = lock_id("t", "k")
+    with private_database() as elsewhere_dsn:
+        async with (
+            await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as a,
+            await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as b,
+            await psycopg.AsyncConnection.connect(elsewhere_dsn, autocommit=True) as elsewhere,
+        ):
+            await ensure_sequence(a, "fences", None)
+            await ensure_ticket_table(a, "fences", None)
+            for conn, owner in ((a, owner_a), (b, owner_b)):  # each process's desk session
+                await conn.execute("SELECT pg_try_advisory_lock(%s, %s)", owner_lock(owner))
+            await a.execute(
+                "INSERT INTO fences_tq VALUES (%s, 100, %s, now()), (%s, 101, %s, now())",
+                (key, owner_a, key, owner_b),
+            )
+            tickets = TicketSql("fences", None, 10.0, owner_b)
+            await b.execute(tickets.prepare())
+            await elsewhere.execute("BEGIN")
+            await elsewhere.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", ticket_lock(100))
+            await elsewhere.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
+            cursor = await b.execute(tickets.verdicts([101]))
+            assert await cursor.fetchall() == [(101, "soon")]
+            await elsewhere.execute("ROLLBACK")

@@ -47,6 +47,7 @@ from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection, sql
+from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from .._background import Background
@@ -72,6 +73,18 @@ def ticket_lock(ticket: int) -> tuple[int, int]:
     Its first int is never negative; an owner lock's always is: the two never meet.
     """
     return ticket >> 31, ticket & _LOW31
+
+
+#: Mixed into a line's lock id to make its registration lock (see `TicketSql.registering`):
+#: another bigint advisory lock, which a key's lock id matches by chance no more often than
+#: two keys' ids do.
+_REGISTRATION = 0x5265676973746572  # "Register"
+
+
+def registration_lock(lock: int) -> int:
+    """The bigint advisory lock that orders the registrations on ``lock``'s line."""
+    mixed = (lock ^ _REGISTRATION) & ((1 << 64) - 1)
+    return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
 
 
 def new_owner() -> int:
@@ -101,11 +114,14 @@ class TicketSql:
 
     def verdict(self, ticket: sql.Composable) -> sql.Composed:
         """An expression: ``ticket``'s verdict (see the module's docstring)."""
+        # pg_locks shows the locks of every database of the server: only this one's count.
+        here = sql.SQL("(SELECT oid FROM pg_database WHERE datname = current_database())")
         owner_alive = sql.SQL(
             "SELECT 1 FROM pg_locks o WHERE o.locktype = 'advisory' AND o.objsubid = 2 "
-            "AND o.granted AND o.classid::bigint = (r.owner >> 32) & {low32} "
+            "AND o.database = {here} AND o.granted "
+            "AND o.classid::bigint = (r.owner >> 32) & {low32} "
             "AND o.objid::bigint = r.owner & {low32}"
-        ).format(low32=sql.Literal(_LOW32))
+        ).format(here=here, low32=sql.Literal(_LOW32))
         ahead = sql.SQL(
             "FROM {t} m JOIN {t} r ON r.lock = m.lock AND r.ticket < m.ticket "
             "WHERE m.ticket = {ticket} AND m.owner = {owner} "
@@ -120,11 +136,12 @@ class TicketSql:
         in_server = sql.SQL(
             "SELECT 1 FROM pg_locks a JOIN pg_locks b ON b.pid = a.pid "
             "WHERE a.locktype = 'advisory' AND a.objsubid = 2 AND a.granted "
+            "AND a.database = {here} "
             "AND a.classid::bigint = r.ticket >> 31 AND a.objid::bigint = r.ticket & {low31} "
             "AND b.locktype = 'advisory' AND b.objsubid = 1 "
             "AND b.classid::bigint = (m.lock >> 32) & {low32} "
             "AND b.objid::bigint = m.lock & {low32}"
-        ).format(low31=sql.Literal(_LOW31), low32=sql.Literal(_LOW32))
+        ).format(here=here, low31=sql.Literal(_LOW31), low32=sql.Literal(_LOW32))
         return sql.SQL(
             "CASE WHEN NOT EXISTS (SELECT 1 FROM {t} m WHERE m.ticket = {ticket} "
             "AND m.owner = {owner}) THEN 'lost' "
@@ -132,6 +149,17 @@ class TicketSql:
             "WHEN EXISTS (SELECT 1 {ahead} AND NOT EXISTS ({in_server})) THEN 'soon' "
             "ELSE 'go' END"
         ).format(t=self.table, ticket=ticket, owner=self.owner, ahead=ahead, in_server=in_server)
+
+    def registering(self, locks: list[int]) -> sql.Composed:
+        """Take the registration locks of ``locks``' lines, in order, for the transaction.
+
+        Registrations on one line then commit in the order their tickets were drawn, so a
+        verdict asked after a registration's commit sees every smaller ticket of the line.
+        """
+        return sql.SQL("; ").join(
+            sql.SQL("SELECT pg_advisory_xact_lock({})").format(sql.Literal(registration_lock(lock)))
+            for lock in sorted(set(locks))
+        )
 
     def register(self, locks: list[int]) -> sql.Composed:
         """One call's rows, under one new ticket."""
@@ -155,14 +183,15 @@ class TicketSql:
         return sql.SQL(
             "SET plan_cache_mode = force_generic_plan; "
             "PREPARE keyserial_verdicts(bigint[]) AS "
-            "SELECT t, {verdict} FROM unnest($1::bigint[]) t"
-        ).format(verdict=self.verdict(sql.SQL("t")))
+            "SELECT t, {verdict} FROM unnest($1::bigint[]) t; "
+            "PREPARE keyserial_new_verdicts(int) AS "
+            "SELECT t, {verdict} FROM (SELECT DISTINCT ticket AS t FROM {table} "
+            "WHERE owner = {owner} ORDER BY ticket DESC LIMIT $1) n ORDER BY t"
+        ).format(verdict=self.verdict(sql.SQL("t")), table=self.table, owner=self.owner)
 
-    def new_verdict(self) -> sql.Composed:
-        """The ticket just drawn in this session, and its verdict (after `register`)."""
-        return sql.SQL("EXECUTE keyserial_verdicts(ARRAY[currval({})])").format(
-            sql.Literal(self.sequence.as_string(None))
-        )
+    def new_verdicts(self, count: int) -> sql.Composed:
+        """The ``count`` tickets this process drew last, in order, and their verdicts."""
+        return sql.SQL("EXECUTE keyserial_new_verdicts({})").format(sql.Literal(count))
 
     def verdicts(self, tickets: list[int]) -> sql.Composed:
         return sql.SQL("EXECUTE keyserial_verdicts({}::bigint[])").format(sql.Literal(tickets))
@@ -580,17 +609,31 @@ class EarlyTurns:
         asking = [e for e in self.to_ask.values() if e.ticket is not None and not e.begun]
         self.to_ask = {}
         statements: list[sql.Composable] = []
-        kinds: list[tuple[str, EarlyTurn | None]] = []  # what each statement's result is
+        kinds: list[str] = []  # what each statement's result is
+        if giving or registering:
+            # One transaction: tickets given back and new ones, committed before any verdict.
+            statements.append(sql.SQL("BEGIN"))
+            kinds.append("begun")
         if giving:
             locks = sorted({lock for held in giving.values() for lock in held})
             statements.append(self.sql.give_back(list(giving), locks))
-            kinds += [("given back", None), ("notified", None)]
-        for early in registering:
-            statements += [self.sql.register(list(early.keys)), self.sql.new_verdict()]
-            kinds += [("registered", early), ("verdict", early)]
+            kinds += ["given back", "notified"]
+        if registering:
+            registered = [lock for early in registering for lock in early.keys]
+            statements.append(self.sql.registering(registered))
+            kinds += ["locked"] * len(set(registered))
+            for early in registering:
+                statements.append(self.sql.register(list(early.keys)))
+                kinds.append("registered")
+        if giving or registering:
+            statements.append(sql.SQL("COMMIT"))
+            kinds.append("committed")
+        if registering:
+            statements.append(self.sql.new_verdicts(len(registering)))
+            kinds.append("new verdicts")
         if asking:
             statements.append(self.sql.verdicts([early.ticket or 0 for early in asking]))
-            kinds.append(("verdicts", None))
+            kinds.append("verdicts")
         if not statements:
             return
         try:
@@ -604,6 +647,8 @@ class EarlyTurns:
                 self.to_give_back.setdefault(ticket, held)
             raise
         except psycopg.Error as exc:
+            if connection.info.transaction_status != TransactionStatus.IDLE:
+                await connection.execute("ROLLBACK")
             error: BaseException = PostgresUnavailable(f"fair mode's tickets failed: {exc}")
             if isinstance(exc, psycopg.errors.InsufficientPrivilege):
                 error = SetupRequired(
@@ -614,12 +659,13 @@ class EarlyTurns:
                 early.answer(error)
             return
         verdicts: dict[int, str] = {}
-        for (kind, registered), rows in zip(kinds, results, strict=True):
-            if kind == "verdict" and registered is not None:
-                registered.ticket = int(rows[0][0])
-                verdicts[registered.ticket] = str(rows[0][1])
-                if registered.order not in self.live:  # its call ended meanwhile
-                    self.to_give_back[registered.ticket] = tuple(registered.keys)
+        for kind, rows in zip(kinds, results, strict=True):
+            if kind == "new verdicts":  # in ticket order, which is registration order
+                for early, (ticket, verdict) in zip(registering, rows, strict=True):
+                    early.ticket = int(ticket)
+                    verdicts[early.ticket] = str(verdict)
+                    if early.order not in self.live:  # its call ended meanwhile
+                        self.to_give_back[early.ticket] = tuple(early.keys)
             elif kind == "verdicts":
                 verdicts.update((int(ticket), str(verdict)) for ticket, verdict in rows)
         for asked in registering + asking:

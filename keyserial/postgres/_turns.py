@@ -127,8 +127,9 @@ class PostgresTurns:
         """Take a connection and lock ``keys`` (lock id -> the caller's key) in a new transaction.
 
         ``ticket``: fair mode's ticket whose verdict was ``go`` (see _early); the transaction
-        first takes its try-lock, which shows it in the server's queue. A connection that
-        died while idle in the pool (the server restarted, or ended it) is replaced once.
+        first takes its try-lock, which shows it in the server's queue. Connections that
+        died while idle in the pool (the server restarted, or ended them) are replaced, up
+        to the pool's size.
 
         Raises:
             TimeoutError: the deadline passed (waiting for a connection or for the locks).
@@ -137,7 +138,8 @@ class PostgresTurns:
             DeadlockError: PostgreSQL's deadlock detector chose this wait.
             PostgresUnavailable: the server could not be reached, or the connection broke.
         """
-        for attempt in (1, 2):
+        attempts = self.pool.max_size + 1
+        for attempt in range(1, attempts + 1):
             connection = await self._connection(keys, deadline, loop)
             try:
                 if not self.table_ready:
@@ -148,7 +150,7 @@ class PostgresTurns:
                 )
             except (PostgresUnavailable, psycopg.OperationalError) as exc:
                 await self._discard(connection)
-                if attempt == 1 and connection.broken:
+                if attempt < attempts and connection.broken:
                     continue  # it holds nothing: its session ended, maybe before it was lent
                 if isinstance(exc, PostgresUnavailable):
                     raise
