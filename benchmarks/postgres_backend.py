@@ -146,7 +146,7 @@ async def _uncontended(dsn: str, library: str, calls: int, trace: Path | None) -
             async with pool.connection() as conn:
                 conn.pgconn.trace(handle.fileno())
             # Fair mode's tickets travel on a connection of their own: counted too.
-            desk = queue.postgres_fair._turns.early.connection  # pyright: ignore[reportPrivateUsage]
+            desk = queue.postgres_fair._turns.early.desk.connection  # pyright: ignore[reportPrivateUsage]
             if library == LIBRARIES[1] and desk is not None:
                 desk.pgconn.trace(handle.fileno())
         start = time.perf_counter()
@@ -156,7 +156,7 @@ async def _uncontended(dsn: str, library: str, calls: int, trace: Path | None) -
         if handle is not None:
             async with pool.connection() as conn:
                 conn.pgconn.untrace()
-            desk = queue.postgres_fair._turns.early.connection  # pyright: ignore[reportPrivateUsage]
+            desk = queue.postgres_fair._turns.early.desk.connection  # pyright: ignore[reportPrivateUsage]
             if desk is not None:
                 desk.pgconn.untrace()
             handle.close()

@@ -13,8 +13,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from keyserial import current_fence
 from keyserial.postgres import PostgresKeyedQueue, lock_id
-from keyserial.postgres._early import TicketSql, new_owner, owner_lock, ticket_lock
 from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
+from keyserial.postgres._tickets import TicketSql, new_owner, owner_lock, ticket_lock
 
 from .conftest import Pools
 from .postgres_server import private_database
@@ -180,13 +180,13 @@ async def test_tickets_lost_while_waiting_are_taken_again_in_call_order(pools: P
     await _until_tickets(watcher, 4)
     # a's next heartbeat, which finds its tickets gone, waits until b1 has registered.
     beat_again = asyncio.Event()
-    heartbeat = a._turns.early._heartbeat  # pyright: ignore[reportPrivateUsage]
+    heartbeat = a._turns.early.desk._heartbeat  # pyright: ignore[reportPrivateUsage]
 
     async def held_heartbeat(connection: Any) -> None:
         await beat_again.wait()
         await heartbeat(connection)
 
-    a._turns.early._heartbeat = held_heartbeat  # type: ignore[method-assign]
+    a._turns.early.desk._heartbeat = held_heartbeat  # type: ignore[method-assign]
     async with watcher.connection() as conn:  # what another process's heartbeat does
         await conn.execute(
             "DELETE FROM keyserial_fences_tq WHERE ticket IN "

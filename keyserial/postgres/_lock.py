@@ -9,7 +9,7 @@ from typing import Any
 
 from .._protocols import KeyLock
 from .._turns import BlockTurn, TurnRecord, enter_turn, leave_turn
-from ._early import EarlyTurn
+from ._desk import EarlyTurn
 from ._turn import PgTurn, SessionKeeper
 from ._turns import PostgresTurns
 

@@ -15,7 +15,7 @@ from .._protocols import KeyLock
 from .._queue import KeyedSerialQueue
 from .._stats import QueueStats
 from .._turns import enter_turn, leave_turn
-from ._early import EarlyTurn
+from ._desk import EarlyTurn
 from ._ids import lock_id
 from ._lock import PostgresLock
 from ._setup import check_names

@@ -24,7 +24,8 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from .._errors import DeadlockError
-from ._early import EarlyTurn, EarlyTurns, resolved, ticket_lock
+from ._desk import EarlyTurn, resolved
+from ._early import EarlyTurns
 from ._errors import (
     CommitInDoubt,
     LeaseExpired,
@@ -34,6 +35,7 @@ from ._errors import (
     naming,
 )
 from ._setup import ensure_sequence, sequence
+from ._tickets import ticket_lock
 from ._turn import PgTurn, SessionKeeper
 
 Task = asyncio.Task[Any]
@@ -368,7 +370,9 @@ class PostgresTurns:
             # Fair mode: the ticket is given back with the locks, and its keys' lines
             # notified, in the same commit (see _early).
             locks = sorted(turn.keys)
-            commit = sql.SQL("{}; COMMIT").format(self.early.sql.give_back([turn.ticket], locks))
+            commit = sql.SQL("{}; COMMIT").format(
+                self.early.desk.sql.give_back([turn.ticket], locks)
+            )
         try:
             await connection.execute(commit)
         except BaseException as exc:

@@ -1,0 +1,443 @@
+"""Fair mode's desk: one connection per process and queue that keeps the process's tickets.
+
+It registers tickets, asks their verdicts, gives them back, beats the heartbeat and LISTENs,
+one batch (one round trip) at a time; ``EarlyTurn`` is one call's ticket, as the desk and the
+call's begin task share it. The rules the verdicts follow are ``_early``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import psycopg
+from psycopg import AsyncConnection, sql
+from psycopg.pq import TransactionStatus
+from psycopg_pool import AsyncConnectionPool
+
+from ._errors import PostgresUnavailable, SetupRequired
+from ._setup import ensure_sequence, ensure_ticket_table
+from ._tickets import TicketSql, new_owner, owner_lock
+from ._turn import PgTurn
+
+Task = asyncio.Task[Any]
+logger = logging.getLogger("keyserial")
+
+#: How soon a ticket told ``soon`` is asked again (then twice as long each time, up to
+#: ``LAST_RETRY``): the transaction ahead of it is on its way to the server's queue.
+FIRST_RETRY = 0.001
+LAST_RETRY = 0.05
+
+
+class EarlyTurn:
+    """One call's turn in fair mode, from its registration until the call takes it up.
+
+    The desk alone writes ``ticket``, ``retry`` and ``verdict`` (the latest answer, which
+    replaces one not read yet: it is the newer word) and sets ``answered``; the begin task
+    alone reads the verdict and writes ``begun`` and ``since``; the call's side alone writes
+    ``taken`` and ``withdrawn``.
+    """
+
+    __slots__ = (
+        "answered",
+        "begin",
+        "begun",
+        "keys",
+        "order",
+        "retry",
+        "since",
+        "taken",
+        "ticket",
+        "verdict",
+        "withdrawn",
+    )
+
+    def __init__(self, keys: Mapping[int, Hashable], order: int) -> None:
+        loop = asyncio.get_running_loop()
+        self.keys = keys
+        self.order = order  # registration order in this process
+        self.ticket: int | None = None
+        #: The desk's latest answer for the ticket: a verdict, or why there will be none.
+        self.verdict: str | BaseException | None = None
+        self.answered = asyncio.Event()
+        self.retry = FIRST_RETRY
+        self.since = loop.time()  # no later than the server's idle timer of the turn starts
+        self.begin: asyncio.Task[PgTurn] | None = None
+        self.begun = False  # its transaction was asked for, on a connection of the pool
+        self.taken = False
+        self.withdrawn = False
+
+    def answer(self, verdict: str | BaseException) -> None:
+        self.verdict = verdict
+        self.answered.set()
+
+    async def next_verdict(self) -> str:
+        """The desk's next answer.
+
+        Raises:
+            PostgresUnavailable, SetupRequired: the desk could not ask.
+        """
+        await self.answered.wait()
+        self.answered.clear()
+        verdict, self.verdict = self.verdict, None
+        if isinstance(verdict, BaseException):
+            raise verdict
+        assert verdict is not None
+        return verdict
+
+
+class TicketDesk:
+    """The tickets of one queue's calls in this process, and the connection that keeps them.
+
+    It alone writes ``live``, ``parked``, its work lists and ``connection``. The call's side
+    (``EarlyTurns``) enrols a call's ticket, asks again for a lost one, and gives one back.
+    """
+
+    def __init__(
+        self, pool: AsyncConnectionPool[Any], table: str, schema: str | None, lease: float
+    ) -> None:
+        self.pool = pool
+        self.table = table
+        self.schema = schema
+        self.lease = lease
+        self.owner = new_owner()
+        self.sql = TicketSql(table, schema, lease, self.owner)
+        #: order -> every call's turn not yet given back, in registration order.
+        self.live: dict[int, EarlyTurn] = {}
+        #: order -> turns whose verdict was ``wait``: asked again when their keys' lines move.
+        self.parked: dict[int, EarlyTurn] = {}
+        self.unregistered: list[EarlyTurn] = []
+        self.to_ask: dict[int, EarlyTurn] = {}
+        self.to_give_back: dict[int, tuple[int, ...]] = {}  # ticket -> its locks
+        self.task: Task | None = None
+        #: The desk's connection while it has one.
+        self.connection: AsyncConnection[Any] | None = None
+        self.work: asyncio.Event | None = None
+        self.closing = False  # the queue is closing: the desk ends as soon as it is idle
+
+    def enrol(self, early: EarlyTurn) -> None:
+        """Register ``early``'s ticket in the next batch."""
+        self.live[early.order] = early
+        self.unregistered.append(early)
+        self._poke()
+
+    async def close(self) -> None:
+        """End the desk once this process's tickets are given back, at most a lease later."""
+        task = self.task
+        if task is None or task.done():
+            return
+        self.closing = True
+        self._poke()
+        await asyncio.wait([task], timeout=self.lease)
+        if not task.done():  # calls of this process still hold tickets: they keep the desk
+            self.closing = False
+
+    def _poke(self) -> None:
+        if self.task is None or self.task.done():
+            self.work = asyncio.Event()
+            self.task = asyncio.get_running_loop().create_task(self._serve())
+        assert self.work is not None
+        self.work.set()
+
+    def ask(self, early: EarlyTurn) -> None:
+        if early.order in self.live and not early.withdrawn:
+            self.to_ask[early.order] = early
+            self._poke()
+
+    def _ask_soon(self, early: EarlyTurn) -> None:
+        """Ask again for ``early`` (told ``soon``) shortly, then less and less often."""
+        delay, early.retry = early.retry, min(early.retry * 2, LAST_RETRY, self.lease / 3)
+        asyncio.get_running_loop().call_later(delay, self.ask, early)
+
+    def register_again(self, lost: EarlyTurn) -> None:
+        """``lost`` and this process's later turns not begun take new tickets, in order."""
+        for early in list(self.live.values()):
+            if early.order < lost.order or early.begun or early.ticket is None:
+                continue
+            self.parked.pop(early.order, None)
+            self.to_ask.pop(early.order, None)
+            self.to_give_back[early.ticket] = tuple(early.keys)
+            early.ticket = None  # its begin task waits for the verdict of its new ticket
+            self.unregistered.append(early)
+        self.unregistered.sort(key=lambda early: early.order)
+        self._poke()
+
+    def give_back(self, early: EarlyTurn) -> None:
+        """Forget ``early``: its call ended; delete its rows unless its commit did."""
+        self.live.pop(early.order, None)
+        self.parked.pop(early.order, None)
+        self.to_ask.pop(early.order, None)
+        if early in self.unregistered:
+            self.unregistered.remove(early)
+        begin = early.begin
+        committed = (
+            early.taken
+            and begin is not None
+            and begin.done()
+            and not begin.cancelled()
+            and begin.exception() is None
+            and begin.result().ticket is None  # its commit gave the ticket back
+        )
+        if early.ticket is not None and not committed:
+            self.to_give_back[early.ticket] = tuple(early.keys)
+            self._poke()
+
+    def _ask_heads(self, up_to: Mapping[int, int] | None) -> None:
+        """Ask again for the first parked turn of this process on each lock of ``up_to``
+        whose ticket is no later than the lock's ticket there (None: on every lock)."""
+        seen: set[int] = set()
+        for early in sorted(self.parked.values(), key=lambda early: early.order):
+            wanted = [lock for lock in early.keys if up_to is None or lock in up_to]
+            first = [lock for lock in wanted if lock not in seen]
+            seen.update(wanted)
+            ticket = early.ticket
+            if first and (
+                up_to is None or any(ticket is not None and ticket <= up_to[lock] for lock in first)
+            ):
+                del self.parked[early.order]
+                self.ask(early)
+
+    # The desk: one connection, one batch at a time.
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        beat = self.lease / 3
+        connection: AsyncConnection[Any] | None = None
+        next_beat = loop.time() + beat
+        idle_since: float | None = None
+        try:
+            while True:
+                if connection is None:
+                    connection = self.connection = await self._connect()
+                    if connection is None:
+                        return  # unreachable, and nothing left to do
+                    # Notifications may have been missed, and tickets lost, meanwhile.
+                    next_beat = loop.time()
+                try:
+                    now = loop.time()
+                    if now >= next_beat:
+                        next_beat = now + beat
+                        await self._heartbeat(connection)
+                        self._ask_heads(None)
+                    elif self.unregistered or self.to_ask or self.to_give_back:
+                        await self._work(connection)
+                    elif not self.live:
+                        idle_since = now if idle_since is None else idle_since
+                        if self.closing or now - idle_since >= self.lease:
+                            return
+                        await self._listen(connection, min(next_beat, idle_since + self.lease))
+                    else:
+                        idle_since = None
+                        await self._listen(connection, next_beat)
+                except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                    await _close(connection)
+                    connection = self.connection = None
+                    logger.debug("keyserial: the ticket connection broke: %r", exc)
+                except Exception as exc:
+                    # Not the connection's failure: the calls waiting for a verdict are told,
+                    # rather than left waiting for one that would never come.
+                    logger.warning("keyserial: fair mode's tickets failed: %r", exc)
+                    self._fail_waiting(PostgresUnavailable(f"fair mode's tickets failed: {exc}"))
+                    await _close(connection)
+                    connection = self.connection = None
+        finally:
+            self.connection = None
+            if connection is not None:
+                await _close(connection)
+
+    async def _connect(self) -> AsyncConnection[Any] | None:
+        """The desk's connection, listening, once the queue's objects exist.
+
+        Tried twice; if the server cannot be reached, every call still waiting for a
+        verdict gets ``PostgresUnavailable`` (it holds nothing, as a call of the default
+        mode whose connection broke), and the desk tries again each third of a lease while
+        calls of this process hold tickets; None once none does.
+        """
+        while True:
+            failure: BaseException | None = None
+            for _ in range(2):
+                try:
+                    connection = await self._open()
+                except SetupRequired as exc:
+                    failure = exc
+                    break
+                except psycopg.Error as exc:
+                    failure = PostgresUnavailable(f"PostgreSQL is unreachable: {exc}")
+                    continue
+                return connection
+            assert failure is not None
+            self._fail_waiting(failure)
+            self.to_give_back.clear()  # the heartbeat clears what is left, once back
+            if not self.live:
+                return None
+            await asyncio.sleep(self.lease / 3)
+
+    def _fail_waiting(self, failure: BaseException) -> None:
+        """Tell every call still waiting for a verdict that none will come."""
+        for early in list(self.live.values()):
+            if not early.begun:
+                early.answer(failure)
+        self.unregistered.clear()
+        self.to_ask.clear()
+        self.parked.clear()
+
+    async def _open(self) -> AsyncConnection[Any]:
+        conninfo: str = await resolved(self.pool.conninfo)
+        kwargs: dict[str, Any] = dict(await resolved(self.pool.kwargs) or {})
+        kwargs["autocommit"] = True
+        connection = await psycopg.AsyncConnection.connect(conninfo, **kwargs)
+        try:
+            await ensure_sequence(connection, self.table, self.schema)
+            await ensure_ticket_table(connection, self.table, self.schema)
+            await connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.sql.channel)))
+            await connection.execute(self.sql.prepare())
+            # Held for the session's life: the server drops it when the process dies.
+            await connection.execute(
+                "SELECT pg_try_advisory_lock(%s, %s)", owner_lock(self.owner), prepare=False
+            )
+        except BaseException:
+            await _close(connection)
+            raise
+        return connection
+
+    async def _work(self, connection: AsyncConnection[Any]) -> None:
+        """One batch, one round trip: give tickets back, register (each new ticket with its
+        verdict), ask verdicts; park the calls told to wait."""
+        giving, self.to_give_back = self.to_give_back, {}
+        registering = [early for early in self.unregistered if not early.withdrawn]
+        self.unregistered = []
+        asking = [e for e in self.to_ask.values() if e.ticket is not None and not e.begun]
+        self.to_ask = {}
+        statements: list[sql.Composable] = []
+        kinds: list[str] = []  # what each statement's result is
+        if giving or registering:
+            # One transaction: tickets given back and new ones, committed before any verdict.
+            statements.append(sql.SQL("BEGIN"))
+            kinds.append("begun")
+        if giving:
+            locks = sorted({lock for held in giving.values() for lock in held})
+            statements.append(self.sql.give_back(list(giving), locks))
+            kinds += ["given back", "notified"]
+        if registering:
+            registered = [lock for early in registering for lock in early.keys]
+            statements.append(self.sql.registering(registered))
+            kinds += ["locked"] * len(set(registered))
+            for early in registering:
+                statements.append(self.sql.register(list(early.keys)))
+                kinds.append("registered")
+        if giving or registering:
+            statements.append(sql.SQL("COMMIT"))
+            kinds.append("committed")
+        if registering:
+            statements.append(self.sql.new_verdicts(len(registering)))
+            kinds.append("new verdicts")
+        if asking:
+            statements.append(self.sql.verdicts([early.ticket or 0 for early in asking]))
+            kinds.append("verdicts")
+        if not statements:
+            return
+        try:
+            cursor = await connection.execute(sql.SQL("; ").join(statements))
+            results = await _results(cursor)
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            self.unregistered[:0] = registering  # asked again on the next connection
+            for early in asking:
+                self.ask(early)
+            for ticket, held in giving.items():
+                self.to_give_back.setdefault(ticket, held)
+            raise
+        except psycopg.Error as exc:
+            if connection.info.transaction_status != TransactionStatus.IDLE:
+                await connection.execute("ROLLBACK")
+            error: BaseException = PostgresUnavailable(f"fair mode's tickets failed: {exc}")
+            if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+                error = SetupRequired(
+                    f"this role may not use the ticket table of fair mode ({exc}): run "
+                    "'python -m keyserial.postgres setup <dsn> --grant <role>' once"
+                )
+            for early in registering + asking:
+                early.answer(error)
+            return
+        verdicts: dict[int, str] = {}
+        for kind, rows in zip(kinds, results, strict=True):
+            if kind == "new verdicts":  # in ticket order, which is registration order
+                for early, (ticket, verdict) in zip(registering, rows, strict=True):
+                    early.ticket = int(ticket)
+                    verdicts[early.ticket] = str(verdict)
+                    if early.order not in self.live:  # its call ended meanwhile
+                        self.to_give_back[early.ticket] = tuple(early.keys)
+            elif kind == "verdicts":
+                verdicts.update((int(ticket), str(verdict)) for ticket, verdict in rows)
+        for asked in registering + asking:
+            verdict = verdicts.get(asked.ticket or 0)
+            if verdict is None or asked.order not in self.live:
+                continue  # it registers again, or its call ended, meanwhile
+            if verdict == "wait":
+                # Parked before the answer: a notification read after this batch asks again.
+                self.parked[asked.order] = asked
+            elif verdict == "soon":
+                self._ask_soon(asked)
+            else:
+                asked.retry = FIRST_RETRY
+            asked.answer(verdict)
+
+    async def _heartbeat(self, connection: AsyncConnection[Any]) -> None:
+        mine = [e.ticket for e in self.live.values() if e.ticket is not None]
+        cursor = await connection.execute(self.sql.heartbeat(mine))
+        kept = {int(row[0]) for row in (await _results(cursor))[-1]}
+        for early in list(self.live.values()):
+            if early.ticket is not None and not early.begun and early.ticket not in kept:
+                self.register_again(early)
+                break  # it takes the later ones along
+
+    async def _listen(self, connection: AsyncConnection[Any], until: float) -> None:
+        """Take notifications until ``until`` or until there is work for the desk."""
+        work = self.work
+        assert work is not None
+        work.clear()
+        loop = asyncio.get_running_loop()
+        listening = loop.create_task(self._receive(connection, max(0.0, until - loop.time())))
+        woken = loop.create_task(work.wait())
+        try:
+            await asyncio.wait([listening, woken], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (listening, woken):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await woken
+            try:
+                await listening
+            except asyncio.CancelledError:
+                if not listening.cancelled():
+                    raise
+
+    async def _receive(self, connection: AsyncConnection[Any], timeout: float) -> None:
+        async for notify in connection.notifies(timeout=timeout):
+            lock, _, ticket = notify.payload.partition(":")
+            with contextlib.suppress(ValueError):
+                self._ask_heads({int(lock): int(ticket)})
+
+
+async def _results(cursor: psycopg.AsyncCursor[Any]) -> list[list[Any]]:
+    """The rows of every statement of a multi-statement query, in order (none for those
+    without rows)."""
+    results: list[list[Any]] = []
+    while True:
+        results.append(list(await cursor.fetchall()) if cursor.description else [])
+        if not cursor.nextset():
+            return results
+
+
+async def _close(connection: AsyncConnection[Any]) -> None:
+    with contextlib.suppress(Exception):
+        await connection.close()
+
+
+async def resolved(setting: object) -> Any:
+    """A pool setting's value: the pool may hold it as a function, sync or async."""
+    value = setting() if callable(setting) else setting
+    return await value if inspect.isawaitable(value) else value

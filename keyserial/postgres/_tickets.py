@@ -1,0 +1,189 @@
+"""Fair mode's statements: the ticket table's rows, the verdicts, and the locks they read.
+
+A ticket is one row per key in ``<table>_tq``: ``(lock, ticket, owner, seen)``. Three kinds of
+advisory lock tell the server's state to the verdicts (see ``_early``):
+
+* a turn's transaction takes a two-int *ticket lock* (first int never negative) before the
+  keys' locks, so ``pg_locks`` shows it in the server's queue;
+* a process's ticket connection holds a two-int *owner lock* (first int always negative) for
+  its session's life, so ``pg_locks`` shows the process alive;
+* a registration takes each key's *registration lock* (a bigint) for its transaction, so the
+  registrations on one key commit in the order their tickets were drawn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from psycopg import sql
+
+from ._setup import sequence, ticket_table
+
+_LOW31 = (1 << 31) - 1
+_LOW32 = (1 << 32) - 1
+
+
+def ticket_lock(ticket: int) -> tuple[int, int]:
+    """The two-int advisory try-lock that marks a ticket's transaction in ``pg_locks``.
+
+    Its first int is never negative; an owner lock's always is: the two never meet.
+    """
+    return ticket >> 31, ticket & _LOW31
+
+
+#: Mixed into a line's lock id to make its registration lock (see `TicketSql.registering`):
+#: another bigint advisory lock, which a key's lock id matches by chance no more often than
+#: two keys' ids do.
+_REGISTRATION = 0x5265676973746572  # "Register"
+
+
+def registration_lock(lock: int) -> int:
+    """The bigint advisory lock that orders the registrations on ``lock``'s line."""
+    mixed = (lock ^ _REGISTRATION) & ((1 << 64) - 1)
+    return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
+
+
+def new_owner() -> int:
+    """A process's owner id: a random negative bigint, so its owner lock's first int is
+    negative (see `ticket_lock`)."""
+    return -1 - secrets.randbits(63)
+
+
+def owner_lock(owner: int) -> tuple[int, int]:
+    """The two-int advisory lock the desk's session holds for ``owner``, as int4s."""
+    low = owner & _LOW32
+    return owner >> 32, low - (1 << 32) if low >= 1 << 31 else low
+
+
+class TicketSql:
+    """The statements of one queue's tickets: its table, channel, sequence and lease."""
+
+    def __init__(self, table: str, schema: str | None, lease: float, owner: int) -> None:
+        self.table = ticket_table(table, schema)
+        self.sequence = sequence(table, schema)
+        digest = hashlib.sha256(f"{schema}\0{table}".encode()).hexdigest()[:16]
+        #: The LISTEN channel of the queue's table: every process of the queue shares it.
+        self.channel = f"keyserial_{digest}"
+        self.owner = sql.Literal(owner)
+        self.lease = sql.Literal(f"{max(1, int(lease * 1000))} milliseconds")
+        self.gone = sql.Literal(f"{max(1, int(3 * lease * 1000))} milliseconds")
+
+    def verdict(self, ticket: sql.Composable) -> sql.Composed:
+        """An expression: ``ticket``'s verdict (see the module's docstring)."""
+        # pg_locks shows the locks of every database of the server: only this one's count.
+        here = sql.SQL("(SELECT oid FROM pg_database WHERE datname = current_database())")
+        owner_alive = sql.SQL(
+            "SELECT 1 FROM pg_locks o WHERE o.locktype = 'advisory' AND o.objsubid = 2 "
+            "AND o.database = {here} AND o.granted "
+            "AND o.classid::bigint = (r.owner >> 32) & {low32} "
+            "AND o.objid::bigint = r.owner & {low32}"
+        ).format(here=here, low32=sql.Literal(_LOW32))
+        ahead = sql.SQL(
+            "FROM {t} m JOIN {t} r ON r.lock = m.lock AND r.ticket < m.ticket "
+            "WHERE m.ticket = {ticket} AND m.owner = {owner} "
+            "AND r.seen > clock_timestamp() - {lease}::interval AND EXISTS ({owner_alive})"
+        ).format(
+            t=self.table,
+            ticket=ticket,
+            owner=self.owner,
+            lease=self.lease,
+            owner_alive=owner_alive,
+        )
+        in_server = sql.SQL(
+            "SELECT 1 FROM pg_locks a JOIN pg_locks b ON b.pid = a.pid "
+            "WHERE a.locktype = 'advisory' AND a.objsubid = 2 AND a.granted "
+            "AND a.database = {here} "
+            "AND a.classid::bigint = r.ticket >> 31 AND a.objid::bigint = r.ticket & {low31} "
+            "AND b.locktype = 'advisory' AND b.objsubid = 1 "
+            "AND b.classid::bigint = (m.lock >> 32) & {low32} "
+            "AND b.objid::bigint = m.lock & {low32}"
+        ).format(here=here, low31=sql.Literal(_LOW31), low32=sql.Literal(_LOW32))
+        return sql.SQL(
+            "CASE WHEN NOT EXISTS (SELECT 1 FROM {t} m WHERE m.ticket = {ticket} "
+            "AND m.owner = {owner}) THEN 'lost' "
+            "WHEN EXISTS (SELECT 1 {ahead} GROUP BY m.lock HAVING count(*) > 1) THEN 'wait' "
+            "WHEN EXISTS (SELECT 1 {ahead} AND NOT EXISTS ({in_server})) THEN 'soon' "
+            "ELSE 'go' END"
+        ).format(t=self.table, ticket=ticket, owner=self.owner, ahead=ahead, in_server=in_server)
+
+    def registering(self, locks: list[int]) -> sql.Composed:
+        """Take the registration locks of ``locks``' lines, in order, for the transaction.
+
+        Registrations on one line then commit in the order their tickets were drawn, so a
+        verdict asked after a registration's commit sees every smaller ticket of the line.
+        """
+        return sql.SQL("; ").join(
+            sql.SQL("SELECT pg_advisory_xact_lock({})").format(sql.Literal(registration_lock(lock)))
+            for lock in sorted(set(locks))
+        )
+
+    def register(self, locks: list[int]) -> sql.Composed:
+        """One call's rows, under one new ticket."""
+        return sql.SQL(
+            "INSERT INTO {t} (lock, ticket, owner, seen) "
+            "SELECT l, n.ticket, {owner}, clock_timestamp() "
+            "FROM (SELECT nextval({seq}) AS ticket) n, unnest({locks}::bigint[]) l"
+        ).format(
+            t=self.table,
+            owner=self.owner,
+            seq=sql.Literal(self.sequence.as_string(None)),
+            locks=sql.Literal(locks),
+        )
+
+    def prepare(self) -> sql.Composed:
+        """Prepare, in the desk's session, the query of the verdicts of tickets.
+
+        The desk's session plans it once (``plan_cache_mode``): its subqueries over
+        ``pg_locks`` cost more to plan than to run.
+        """
+        return sql.SQL(
+            "SET plan_cache_mode = force_generic_plan; "
+            "PREPARE keyserial_verdicts(bigint[]) AS "
+            "SELECT t, {verdict} FROM unnest($1::bigint[]) t; "
+            "PREPARE keyserial_new_verdicts(int) AS "
+            "SELECT t, {verdict} FROM (SELECT DISTINCT ticket AS t FROM {table} "
+            "WHERE owner = {owner} ORDER BY ticket DESC LIMIT $1) n ORDER BY t"
+        ).format(verdict=self.verdict(sql.SQL("t")), table=self.table, owner=self.owner)
+
+    def new_verdicts(self, count: int) -> sql.Composed:
+        """The ``count`` tickets this process drew last, in order, and their verdicts."""
+        return sql.SQL("EXECUTE keyserial_new_verdicts({})").format(sql.Literal(count))
+
+    def verdicts(self, tickets: list[int]) -> sql.Composed:
+        return sql.SQL("EXECUTE keyserial_verdicts({}::bigint[])").format(sql.Literal(tickets))
+
+    def give_back(self, tickets: list[int], locks: list[int]) -> sql.Composed:
+        """Delete ``tickets``' rows; tell each of ``locks``' lines who may now go.
+
+        The payload, ``<lock>:<ticket>``, names the second ticket of the line (the first is
+        the next call's, in the server's queue already), or the first if it is alone: only
+        the calls up to it are asked again. A ticket named that is dead or stopped leaves
+        the line to the heartbeat, which asks every parked call.
+        """
+        next_up = sql.SQL(
+            "COALESCE((SELECT ticket FROM {t} WHERE lock = l ORDER BY ticket OFFSET 1 LIMIT 1), "
+            "(SELECT min(ticket) FROM {t} WHERE lock = l))"
+        ).format(t=self.table)
+        return sql.SQL(
+            "DELETE FROM {t} WHERE owner = {owner} AND ticket = ANY({tickets}::bigint[]); "
+            "SELECT pg_notify({channel}, l || ':' || h) "
+            "FROM unnest({locks}::bigint[]) l, LATERAL (SELECT {next_up}) x(h) "
+            "WHERE h IS NOT NULL"
+        ).format(
+            t=self.table,
+            owner=self.owner,
+            tickets=sql.Literal(tickets),
+            channel=sql.Literal(self.channel),
+            locks=sql.Literal(locks),
+            next_up=next_up,
+        )
+
+    def heartbeat(self, tickets: list[int]) -> sql.Composed:
+        """Clear the rows of processes gone for three leases and this process's rows no
+        call holds; refresh the others, returning their tickets."""
+        return sql.SQL(
+            "DELETE FROM {t} WHERE seen < clock_timestamp() - {gone}::interval; "
+            "DELETE FROM {t} WHERE owner = {owner} AND ticket <> ALL({tickets}::bigint[]); "
+            "UPDATE {t} SET seen = clock_timestamp() WHERE owner = {owner} RETURNING ticket"
+        ).format(t=self.table, gone=self.gone, owner=self.owner, tickets=sql.Literal(tickets))
