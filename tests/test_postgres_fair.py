@@ -233,3 +233,41 @@ async def test_a_verdict_reads_the_locks_of_its_own_database_only(postgres_dsn: 
             cursor = await b.execute(tickets.verdicts([101]))
             assert await cursor.fetchall() == [(101, "soon")]
             await elsewhere.execute("ROLLBACK")
+
+
+async def test_the_ticket_connection_takes_its_owner_lock_once_an_old_session_lets_go(
+    pools: Pools, postgres_dsn: str
+) -> None:
+    # An earlier session of the process (one the server has not ended yet, after the
+    # ticket connection broke) still holds the owner lock when the new one begins: the new
+    # session takes it at its next heartbeat, or the process's tickets would look dead.
+    pool = await pools()
+    queue = PostgresKeyedQueue(pool, namespace="t", lease=0.3, fair=True)
+    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
+    high, low = owner_lock(desk.owner)
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        await release.wait()
+
+    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as old:
+        await old.execute("SELECT pg_advisory_lock(%s, %s)", (high, low))
+        holder = asyncio.create_task(queue.run("k", hold))
+        await until(lambda: desk.connection is not None, "the ticket connection opens")
+        assert desk.connection is not None
+        pid = desk.connection.info.backend_pid
+        await old.execute("SELECT pg_advisory_unlock(%s, %s)", (high, low))
+        held = False
+        for _ in range(400):
+            cursor = await old.execute(
+                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 "
+                "AND pid = %s AND classid = %s AND objid = %s",
+                (pid, high & 0xFFFFFFFF, low & 0xFFFFFFFF),
+            )
+            if held := bool(await cursor.fetchall()):
+                break
+            await asyncio.sleep(0.01)
+    release.set()
+    await holder
+    await queue.aclose()
+    assert held, "the ticket connection never took its owner lock"

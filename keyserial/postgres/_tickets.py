@@ -65,6 +65,7 @@ class TicketSql:
         digest = hashlib.sha256(f"{schema}\0{table}".encode()).hexdigest()[:16]
         #: The LISTEN channel of the queue's table: every process of the queue shares it.
         self.channel = f"keyserial_{digest}"
+        self.owner_id = owner
         self.owner = sql.Literal(owner)
         self.lease = sql.Literal(f"{max(1, int(lease * 1000))} milliseconds")
         self.gone = sql.Literal(f"{max(1, int(3 * lease * 1000))} milliseconds")
@@ -180,10 +181,25 @@ class TicketSql:
         )
 
     def heartbeat(self, tickets: list[int]) -> sql.Composed:
-        """Clear the rows of processes gone for three leases and this process's rows no
-        call holds; refresh the others, returning their tickets."""
+        """Take the owner lock if this session does not hold it yet (a session of this
+        process that the server had not ended yet held it when this one began); clear the
+        rows of processes gone for three leases and this process's rows no call holds;
+        refresh the others, returning their tickets."""
+        high, low = owner_lock(self.owner_id)
         return sql.SQL(
+            "SELECT pg_try_advisory_lock({high}, {low}) WHERE NOT EXISTS (SELECT 1 FROM pg_locks "
+            "WHERE locktype = 'advisory' AND objsubid = 2 AND pid = pg_backend_pid() "
+            "AND classid = {high_oid} AND objid = {low_oid}); "
             "DELETE FROM {t} WHERE seen < clock_timestamp() - {gone}::interval; "
             "DELETE FROM {t} WHERE owner = {owner} AND ticket <> ALL({tickets}::bigint[]); "
             "UPDATE {t} SET seen = clock_timestamp() WHERE owner = {owner} RETURNING ticket"
-        ).format(t=self.table, gone=self.gone, owner=self.owner, tickets=sql.Literal(tickets))
+        ).format(
+            high=sql.Literal(high),
+            low=sql.Literal(low),
+            high_oid=sql.Literal(high & _LOW32),
+            low_oid=sql.Literal(low & _LOW32),
+            t=self.table,
+            gone=self.gone,
+            owner=self.owner,
+            tickets=sql.Literal(tickets),
+        )
