@@ -72,3 +72,11 @@ def test_the_readmes_docs_command_runs_in_the_venv_its_setup_command_makes() -> 
     assert readme.index(setup) < readme.index(docs)
     pyproject = (DOCS.parent / "pyproject.toml").read_text()
     assert "\ndocs = [" in pyproject and '"mkdocs' in pyproject
+
+
+def test_the_postgres_pages_setup_sql_is_what_setup_sql_returns() -> None:
+    from keyserial.postgres import setup_sql
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "postgres.md").read_text()
+    shown = page.split("```sql\n", 1)[1].split("```", 1)[0]
+    assert shown.strip() == setup_sql(grant_to="app")

@@ -36,9 +36,9 @@ class PostgresKeyedQueue:
     same ``namespace``, run one at a time; within one process in registration order.
     Across processes, by default, turns are granted in the order each process's next call
     reaches the server's lock manager, so a later call of one process can run before an
-    earlier call still queued inside another. With ``fair=True`` every call asks for its
-    locks when it registers, and turns follow the order in which the calls reached the
-    server, whatever their process. A turn is a
+    earlier call still queued inside another. With ``fair=True`` every call takes a ticket
+    (a row of the queue's ticket table) when it registers, and turns follow the tickets'
+    order, whatever the process. A turn is a
     transaction: it holds ``pg_advisory_xact_lock`` on the key, and the function's
     statements on [connection][keyserial.postgres.connection] run in that same
     transaction. They commit together with the end of the turn when the function returns,
@@ -48,10 +48,11 @@ class PostgresKeyedQueue:
 
     By default only the first call of a key in a process waits in the database (the others
     wait in the process, behind it), so a process uses one connection per key it is
-    running or waiting for. With ``fair=True`` every waiting call holds a connection of
-    its own: size the pool for the calls a process runs and waits for at once. An
-    uncontended call costs two round trips: ``BEGIN`` with the lock and the fence in one,
-    ``COMMIT``.
+    running or waiting for. With ``fair=True`` a waiting call holds a ticket, not a
+    connection: a process uses one connection per key it runs, one per key whose next
+    call is its own, and one of its own for its tickets. An uncontended call costs two
+    round trips: ``BEGIN`` with the lock and the fence in one, ``COMMIT``; in fair mode, one
+    more to register its ticket.
 
     Args:
         pool: the application's ``psycopg_pool.AsyncConnectionPool`` (connections in the
@@ -64,12 +65,13 @@ class PostgresKeyedQueue:
             stalled holder keeps its key. A live call is kept alive by a ``SELECT 1``
             every third of it while it works outside the database.
         max_pending: per-key bound on this process's running plus waiting calls.
-        table: names the fence sequence, ``<table>_seq``, created on first use if missing
-            (fences continue above those of a fence table of that name from an earlier
-            version). At most 59 bytes, so that the sequence's name fits PostgreSQL's 63.
+        table: names the fence sequence, ``<table>_seq``, and fair mode's ticket table,
+            ``<table>_tq``, created on first use if missing (fences continue above those of
+            a fence table of that name from an earlier version). At most 59 bytes, so that
+            the sequence's name fits PostgreSQL's 63.
         schema: the schema of the sequence (by default the connection's search path).
-        fair: grant turns across processes in the order the calls reached the server (see
-            above). Every process of one queue should use the same setting.
+        fair: grant turns across processes in the order the calls registered their tickets
+            (see above). Every process of one queue should use the same setting.
 
     Raises:
         TypeError: ``pool`` is not a ``psycopg_pool.AsyncConnectionPool``, or
