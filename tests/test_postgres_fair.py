@@ -85,8 +85,9 @@ async def test_twenty_waiting_calls_of_four_processes_hold_tickets_and_run_in_ca
     await asyncio.sleep(0.2)
     peak = await _connections(watcher)
     pooled = sum(pool.get_stats()["pool_size"] for pool in processes)
-    assert peak <= 8, f"{peak} server connections for 20 waiting calls"
-    assert pooled <= 2 + 1, f"the pools opened {pooled} connections"
+    # Four ticket connections, the holder's and the next call's: six in all.
+    assert peak <= 6, f"{peak} server connections for 20 waiting calls"
+    assert pooled <= 2, f"the pools opened {pooled} connections"
     release.set()
     await asyncio.wait_for(asyncio.gather(holder, *calls), 20)
     assert order == list(range(20)), list(zip(order, fences, strict=True))
