@@ -10,10 +10,11 @@ head of each of its keys' lines, as the ticket's *verdict* says:
 
 * ``go``: no live ticket is ahead, or only one, whose transaction is already in the
   server's lock queue for the key (holding it or waiting for it). The turn begins and waits
-  in the server right behind it, so a hand-off costs what it costs in the default mode;
+  in the server right behind it, so the hand-off itself is the server's grant, as in the
+  default mode;
 * ``wait``: two or more live tickets are ahead. A notification (a call gave its ticket
-  back, in its commit or later: ``pg_notify`` on the queue's channel, the key's lock id as
-  payload) or the next heartbeat asks again;
+  back, in its commit or later: ``pg_notify`` on the queue's channel, with the key's lock id
+  and the ticket that may now go as payload) or the next heartbeat asks again;
 * ``soon``: one ticket is ahead, and its transaction is not in the server's lock queue yet
   (it is on its way): asked again shortly, then less and less often;
 * ``lost``: the row is gone (its process was stopped for so long that another process
@@ -22,9 +23,8 @@ head of each of its keys' lines, as the ticket's *verdict* says:
 A ticket is live while its process's desk (below) holds its session's advisory lock, the
 *owner lock*, and its heartbeat refreshes ``seen`` every third of the lease: the tickets of
 a process that died are skipped at once (its sessions end with it), those of a process
-that stopped a lease later. So at
-most two transactions of a key are open at a time, the holder's and the next call's; every
-other waiting call holds only its row. Whether a ticket's transaction is in the server's
+that stopped a lease later. So at most two transactions of a key are open at a time, the
+holder's and the next call's; every other waiting call holds only its row. Whether a ticket's transaction is in the server's
 lock queue is read in ``pg_locks``: the transaction first takes a try-lock whose two-int
 key is its ticket, then the keys' locks, on the same backend.
 
