@@ -24,9 +24,10 @@ A ticket is live while its process's desk (below) holds its session's advisory l
 *owner lock*, and its heartbeat refreshes ``seen`` every third of the lease: the tickets of
 a process that died are skipped at once (its sessions end with it), those of a process
 that stopped a lease later. So at most two transactions of a key are open at a time, the
-holder's and the next call's; every other waiting call holds only its row. Whether a ticket's transaction is in the server's
-lock queue is read in ``pg_locks``: the transaction first takes a try-lock whose two-int
-key is its ticket, then the keys' locks, on the same backend.
+holder's and the next call's; every other waiting call holds only its row. Whether a
+ticket's transaction is in the server's lock queue is read in ``pg_locks``: the transaction
+first takes a try-lock whose two-int key is its ticket, then the keys' locks, on the same
+backend.
 
 Each process keeps one connection of its own for its tickets (the *desk*): it registers,
 asks verdicts, gives tickets back, beats the heartbeat and LISTENs, one batch at a time.
