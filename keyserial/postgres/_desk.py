@@ -219,6 +219,8 @@ class TicketDesk:
                     next_beat = loop.time()
                 try:
                     now = loop.time()
+                    if self.live:
+                        idle_since = None
                     if now >= next_beat:
                         next_beat = now + beat
                         await self._heartbeat(connection)
@@ -231,7 +233,6 @@ class TicketDesk:
                             return
                         await self._listen(connection, min(next_beat, idle_since + self.lease))
                     else:
-                        idle_since = None
                         await self._listen(connection, next_beat)
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                     await _close(connection)
