@@ -71,7 +71,7 @@ class TicketSql:
         self.gone = sql.Literal(f"{max(1, int(3 * lease * 1000))} milliseconds")
 
     def verdict(self, ticket: sql.Composable) -> sql.Composed:
-        """An expression: ``ticket``'s verdict (see the module's docstring)."""
+        """An expression: ``ticket``'s verdict (the rules are in ``_early``'s docstring)."""
         # pg_locks shows the locks of every database of the server: only this one's count.
         here = sql.SQL("(SELECT oid FROM pg_database WHERE datname = current_database())")
         owner_alive = sql.SQL(
