@@ -79,6 +79,10 @@ def ticket_table(table: str = DEFAULT_TABLE, schema: str | None = None) -> sql.I
     return _qualified(table + _TICKETS_SUFFIX, schema)
 
 
+def _sequence_sql(name: sql.Identifier) -> sql.Composed:
+    return sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(name)
+
+
 def _ticket_table_sql(name: sql.Identifier) -> sql.Composed:
     # UNLOGGED: tickets live for seconds, and a process whose tickets a crash took
     # registers them again (see _early); no write-ahead log is spent on them.
@@ -93,10 +97,16 @@ def _ticket_table_sql(name: sql.Identifier) -> sql.Composed:
     ).format(name)
 
 
-def _ticket_grant_sql(name: sql.Identifier, role: str) -> sql.Composed:
-    return sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {}").format(
-        name, sql.Identifier(role)
-    )
+def _grants_sql(table: str, schema: str | None, role: str) -> list[sql.Composed]:
+    """What ``role`` needs granted on the queue's objects (see `setup_sql`)."""
+    return [
+        sql.SQL("GRANT USAGE ON SEQUENCE {} TO {}").format(
+            sequence(table, schema), sql.Identifier(role)
+        ),
+        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {}").format(
+            ticket_table(table, schema), sql.Identifier(role)
+        ),
+    ]
 
 
 def _qualified(name: str, schema: str | None) -> sql.Identifier:
@@ -130,14 +140,12 @@ def setup_sql(
 
         ```
     """
-    name = sequence(table, schema)
-    tickets = ticket_table(table, schema)
-    lines = [sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(name), _ticket_table_sql(tickets)]
+    lines = [
+        _sequence_sql(sequence(table, schema)),
+        _ticket_table_sql(ticket_table(table, schema)),
+    ]
     if grant_to is not None:
-        lines.append(
-            sql.SQL("GRANT USAGE ON SEQUENCE {} TO {}").format(name, sql.Identifier(grant_to))
-        )
-        lines.append(_ticket_grant_sql(tickets, grant_to))
+        lines.extend(_grants_sql(table, schema, grant_to))
     return "\n".join(line.as_string(None) + ";" for line in lines)
 
 
@@ -151,17 +159,8 @@ async def ensure_sequence(connection: AsyncConnection[Any], table: str, schema: 
     """
     name = sequence(table, schema)
     async with connection.transaction():
-        if await _exists(connection, name):
+        if not await _create(connection, name, _sequence_sql(name), "the fence sequence"):
             return
-        await connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK,))
-        try:
-            await connection.execute(sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(name))
-        except psycopg.errors.InsufficientPrivilege as exc:
-            raise SetupRequired(
-                f"the fence sequence {name.as_string(connection)} does not exist, and this role "
-                "may not create it: run 'python -m keyserial.postgres setup <dsn> --grant <role>' "
-                "or the SQL of keyserial.postgres.setup_sql() once, as a role that may"
-            ) from exc
         old_table = _qualified(table, schema)
         if await _exists(connection, old_table):
             await connection.execute(
@@ -182,18 +181,31 @@ async def ensure_ticket_table(
     """
     name = ticket_table(table, schema)
     async with connection.transaction():
-        if await _exists(connection, name):
-            return
-        await connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK,))
-        try:
-            await connection.execute(_ticket_table_sql(name))
-        except psycopg.errors.InsufficientPrivilege as exc:
-            raise SetupRequired(
-                f"the ticket table {name.as_string(connection)} of fair mode does not exist, and "
-                "this role may not create it: run 'python -m keyserial.postgres setup <dsn> "
-                "--grant <role>' or the SQL of keyserial.postgres.setup_sql() once, as a role "
-                "that may"
-            ) from exc
+        await _create(connection, name, _ticket_table_sql(name), "fair mode's ticket table")
+
+
+async def _create(
+    connection: AsyncConnection[Any], name: sql.Identifier, create: sql.Composed, what: str
+) -> bool:
+    """Run ``create`` in the open transaction unless ``name`` exists; whether it ran.
+
+    The setup lock makes processes that start together create it one at a time.
+
+    Raises:
+        SetupRequired: ``name`` is missing and this role may not create it.
+    """
+    if await _exists(connection, name):
+        return False
+    await connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK,))
+    try:
+        await connection.execute(create)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise SetupRequired(
+            f"{what} {name.as_string(connection)} does not exist, and this role may not "
+            "create it: run 'python -m keyserial.postgres setup <dsn> --grant <role>' or the "
+            "SQL of keyserial.postgres.setup_sql() once, as a role that may"
+        ) from exc
+    return True
 
 
 async def _exists(connection: AsyncConnection[Any], name: sql.Identifier) -> bool:
@@ -220,12 +232,8 @@ async def setup(
         await ensure_sequence(connection, table, schema)
         await ensure_ticket_table(connection, table, schema)
         if grant_to is not None:
-            await connection.execute(
-                sql.SQL("GRANT USAGE ON SEQUENCE {} TO {}").format(
-                    sequence(table, schema), sql.Identifier(grant_to)
-                )
-            )
-            await connection.execute(_ticket_grant_sql(ticket_table(table, schema), grant_to))
+            for grant in _grants_sql(table, schema, grant_to):
+                await connection.execute(grant)
         await connection.commit()
 
 
