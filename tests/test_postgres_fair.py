@@ -19,6 +19,7 @@ from keyserial.postgres._tickets import TicketSql, new_owner, owner_lock, ticket
 from .conftest import Pools
 from .postgres_server import private_database
 from .redis_helpers import until
+from .turn_notes import TurnNotes
 
 pytestmark = pytest.mark.asyncio
 
@@ -101,34 +102,26 @@ async def test_a_call_that_gives_up_leaves_no_ticket_and_no_gap(pools: Pools, ho
     first, second, watcher = await pools(), await pools(), await pools()
     a = PostgresKeyedQueue(first, namespace="t", lease=10.0, fair=True)
     b = PostgresKeyedQueue(second, namespace="t", lease=10.0, fair=True)
-    order: list[str] = []
-    release = asyncio.Event()
+    notes = TurnNotes()
 
-    async def hold() -> None:
-        order.append("hold")
-        await release.wait()
-
-    async def note(name: str) -> None:
-        order.append(name)
-
-    holder = asyncio.create_task(a.run("k", hold))
-    await until(lambda: order == ["hold"], "the holder starts")
+    holder = asyncio.create_task(a.run("k", notes.hold))
+    await notes.until_holding()
     if how == "cancelled":
-        gives_up = asyncio.create_task(a.run("k", note, "gave up"))
+        gives_up = asyncio.create_task(a.run("k", notes.note, "gave up"))
     else:
-        gives_up = asyncio.create_task(a.with_options(timeout=0.5).run("k", note, "gave up"))
+        gives_up = asyncio.create_task(a.with_options(timeout=0.5).run("k", notes.note, "gave up"))
     await _until_tickets(watcher, 2)
-    later = asyncio.create_task(b.run("k", note, "b"))
+    later = asyncio.create_task(b.run("k", notes.note, "b"))
     await _until_tickets(watcher, 3)
     if how == "cancelled":
         gives_up.cancel()
     with pytest.raises(asyncio.CancelledError if how == "cancelled" else TimeoutError):
         await gives_up
     await _until_tickets(watcher, 2)  # its ticket was given back
-    release.set()
+    notes.release.set()
     # A ticket or transaction left behind would hold the line until its lease (10 s).
     await asyncio.wait_for(asyncio.gather(holder, later), 5)
-    assert order == ["hold", "b"]
+    assert notes.order == ["hold", "b"]
     for pool in (first, second):
         stats = pool.get_stats()
         assert stats["pool_size"] == stats["pool_available"], "a connection was not given back"
@@ -171,21 +164,13 @@ async def test_tickets_lost_while_waiting_are_taken_again_in_call_order(pools: P
     first, second, watcher = await pools(), await pools(), await pools()
     a = PostgresKeyedQueue(first, namespace="t", lease=0.3, fair=True)
     b = PostgresKeyedQueue(second, namespace="t", lease=0.3, fair=True)
-    order: list[str] = []
-    release = asyncio.Event()
+    notes = TurnNotes()
 
-    async def hold() -> None:
-        order.append("hold")
-        await release.wait()
-
-    async def note(name: str) -> None:
-        order.append(name)
-
-    holder = asyncio.create_task(a.run("k", hold))
-    await until(lambda: order == ["hold"], "the holder starts")
-    calls = [asyncio.create_task(b.run("k", note, "b0"))]  # the next: in the server's queue
+    holder = asyncio.create_task(a.run("k", notes.hold))
+    await notes.until_holding()
+    calls = [asyncio.create_task(b.run("k", notes.note, "b0"))]  # the next: in the server's queue
     await _until_tickets(watcher, 2)
-    calls += [asyncio.create_task(a.run("k", note, name)) for name in ("a1", "a2")]
+    calls += [asyncio.create_task(a.run("k", notes.note, name)) for name in ("a1", "a2")]
     await _until_tickets(watcher, 4)
     # a's next heartbeat, which finds its tickets gone, waits until b1 has registered.
     beat_again = asyncio.Event()
@@ -201,13 +186,13 @@ async def test_tickets_lost_while_waiting_are_taken_again_in_call_order(pools: P
             "DELETE FROM keyserial_fences_tq WHERE ticket IN "
             "(SELECT ticket FROM keyserial_fences_tq ORDER BY ticket DESC LIMIT 2)"
         )
-    calls.append(asyncio.create_task(b.run("k", note, "b1")))
+    calls.append(asyncio.create_task(b.run("k", notes.note, "b1")))
     await _until_tickets(watcher, 3)
     beat_again.set()
     await _until_tickets(watcher, 5)  # a1's and a2's again
-    release.set()
+    notes.release.set()
     await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
-    assert order == ["hold", "b0", "b1", "a1", "a2"]
+    assert notes.order == ["hold", "b0", "b1", "a1", "a2"]
     await a.aclose()
     await b.aclose()
     assert await _tickets(watcher) == 0

@@ -9,7 +9,8 @@ import pytest
 
 from keyserial.redis import RedisKeyedQueue
 
-from .redis_helpers import Clients, until, until_tickets_waiting
+from .redis_helpers import Clients, until_tickets_waiting
+from .turn_notes import TurnNotes
 
 pytestmark = pytest.mark.asyncio
 
@@ -21,28 +22,20 @@ async def test_a_call_waiting_in_its_process_past_its_tickets_heartbeat_keeps_it
     watcher = clients()
     a = RedisKeyedQueue(clients(), namespace="t", lease=lease, fair=True)
     b = RedisKeyedQueue(clients(), namespace="t", lease=lease, fair=True)
-    order: list[str] = []
-    release = asyncio.Event()
+    notes = TurnNotes()
 
-    async def hold() -> None:
-        order.append("hold")
-        await release.wait()
-
-    async def note(name: str) -> None:
-        order.append(name)
-
-    holder = asyncio.create_task(a.run("k", hold))
-    await until(lambda: order == ["hold"], "the holder starts")
-    second = asyncio.create_task(a.run("k", note, "a, made first"))  # waits in a's process
+    holder = asyncio.create_task(a.run("k", notes.hold))
+    await notes.until_holding()
+    second = asyncio.create_task(a.run("k", notes.note, "a, made first"))  # waits in a's process
     await until_tickets_waiting(watcher, "t", "k", 1)
-    third = asyncio.create_task(b.run("k", note, "b, made later"))
+    third = asyncio.create_task(b.run("k", notes.note, "b, made later"))
     await until_tickets_waiting(watcher, "t", "k", 2)
     # Past two leases, a ticket nobody polls is dead to Redis: the first waiter's is kept
     # alive for it while it waits behind the holder in its own process.
     await asyncio.sleep(4 * lease)
-    release.set()
+    notes.release.set()
     await asyncio.gather(holder, second, third)
-    assert order == ["hold", "a, made first", "b, made later"]
+    assert notes.order == ["hold", "a, made first", "b, made later"]
     await a.aclose()
     await b.aclose()
 
@@ -54,34 +47,26 @@ async def test_a_call_that_gives_up_in_its_process_leaves_no_gap_in_redis(
     watcher = clients()
     a = RedisKeyedQueue(clients(), namespace="t", lease=10.0, fair=True)
     b = RedisKeyedQueue(clients(), namespace="t", lease=10.0, fair=True)
-    order: list[str] = []
-    release = asyncio.Event()
+    notes = TurnNotes()
 
-    async def hold() -> None:
-        order.append("hold")
-        await release.wait()
-
-    async def note(name: str) -> None:
-        order.append(name)
-
-    holder = asyncio.create_task(a.run("k", hold))
-    await until(lambda: order == ["hold"], "the holder starts")
+    holder = asyncio.create_task(a.run("k", notes.hold))
+    await notes.until_holding()
     if how == "cancelled":
-        gives_up = asyncio.create_task(a.run("k", note, "gave up"))
+        gives_up = asyncio.create_task(a.run("k", notes.note, "gave up"))
     else:
-        gives_up = asyncio.create_task(a.with_options(timeout=0.5).run("k", note, "gave up"))
+        gives_up = asyncio.create_task(a.with_options(timeout=0.5).run("k", notes.note, "gave up"))
     await until_tickets_waiting(watcher, "t", "k", 1)
-    later = asyncio.create_task(b.run("k", note, "b"))
+    later = asyncio.create_task(b.run("k", notes.note, "b"))
     await until_tickets_waiting(watcher, "t", "k", 2)
     if how == "cancelled":
         gives_up.cancel()
     with pytest.raises(asyncio.CancelledError if how == "cancelled" else TimeoutError):
         await gives_up
     await until_tickets_waiting(watcher, "t", "k", 1)  # its ticket left Redis's queue
-    release.set()
+    notes.release.set()
     # A ticket left behind would be granted and never taken up: the key would stall until
     # the lease (10 s) ran out.
     await asyncio.wait_for(asyncio.gather(holder, later), 5)
-    assert order == ["hold", "b"]
+    assert notes.order == ["hold", "b"]
     await a.aclose()
     await b.aclose()
