@@ -16,6 +16,12 @@ Fields, read through the functions below unless noted:
     What ``get_task_factory()`` and ``is_closed()`` return, read by ``_queue`` and
     ``_share`` on asyncio's own loops only (``has_asyncio_accessors``), through the C
     getters ``loop_task_factory`` and ``loop_closed``.
+``BaseEventLoop._thread_id``
+    The thread running the loop, or None while it does not run. Before Python 3.12,
+    ``get_running_loop()`` makes a ``getpid()`` system call on every call (to notice a
+    fork); ``run`` instead asks whether its cached share's loop runs in this thread
+    (``loop_thread_id``, ``FIND_LOOP_BY_THREAD``), which only the running loop does. Only
+    on asyncio's own loops (uvloop has no such field).
 ``asyncio.tasks._current_tasks``
     Before Python 3.12, the dict behind ``current_task()``: its ``get`` is the cheaper call
     (``current_tasks``).
@@ -64,7 +70,7 @@ from typing import Any, NamedTuple, TypeGuard, cast
 #: The private fields by object, for the test that checks them on each Python release.
 FIELDS: dict[str, tuple[str, ...]] = {
     "asyncio.Task": ("_fut_waiter",),
-    "asyncio.BaseEventLoop": ("_task_factory", "_closed"),
+    "asyncio.BaseEventLoop": ("_task_factory", "_closed", "_thread_id"),
     "asyncio.TaskGroup": ("_tasks",),
 }
 if sys.version_info < (3, 12):
@@ -75,6 +81,12 @@ if sys.version_info < (3, 12):
 #: Used only where ``has_asyncio_accessors`` says they are what the public methods return.
 loop_task_factory = operator.attrgetter("_task_factory")
 loop_closed = operator.attrgetter("_closed")
+#: The loop's running thread (see ``BaseEventLoop._thread_id`` above), for ``run``'s hot path
+#: before Python 3.12, on loops where ``finds_loop_by_thread`` holds.
+loop_thread_id = operator.attrgetter("_thread_id")
+#: Whether the hot path finds the running loop by its thread rather than by
+#: ``get_running_loop()``: only where that call costs a system call (before Python 3.12).
+FIND_LOOP_BY_THREAD = sys.version_info < (3, 12)
 
 
 def fut_waiter(task: object) -> Any:
@@ -156,6 +168,12 @@ def has_asyncio_accessors(loop: asyncio.AbstractEventLoop | None) -> bool:
         and type(loop).is_closed is base.is_closed
         and type(loop).get_task_factory is base.get_task_factory
     )
+
+
+def finds_loop_by_thread(loop: asyncio.AbstractEventLoop | None) -> bool:
+    """Whether ``loop`` runs exactly while its ``_thread_id`` is the running thread's id:
+    asyncio's own loops set it as they start running and clear it as they stop."""
+    return FIND_LOOP_BY_THREAD and isinstance(loop, asyncio.BaseEventLoop)
 
 
 def is_running(task: asyncio.Task[Any]) -> bool:

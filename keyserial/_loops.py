@@ -112,11 +112,7 @@ class LoopShares:
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
         """Close ``loop``'s share for good: it refuses new calls; registered ones still run."""
-        share = self.of(loop)
-        share.closed = True
-        # run() takes the cached share when its open_loop is the running loop: that test
-        # fails now, so it looks the share up and finds it closed.
-        share.open_loop = None
+        self.of(loop).close()
 
     def running(self) -> tuple[LoopShare, asyncio.Task[Any]]:
         """The running loop's share and the current task.

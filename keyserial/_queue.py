@@ -10,9 +10,10 @@ import asyncio
 from asyncio import Future
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from inspect import isawaitable
+from threading import get_ident
 from typing import Any, ParamSpec, TypeVar
 
-from ._asyncio_internals import EAGER_TASKS, is_blocked_task, loop_task_factory
+from ._asyncio_internals import EAGER_TASKS, is_blocked_task, loop_task_factory, loop_thread_id
 from ._errors import (
     call_error,
     called,
@@ -519,14 +520,16 @@ class KeyedSerialQueue:
         if self._watching is not None:  # an observed queue: the same body, watched
             return await self._watching.watched_run(self._unwatched.run, key, fn, args, kwargs)
         share = self._shares.cached
-        try:
-            loop = get_running_loop()
-        except RuntimeError:
-            raise no_event_loop() from None
-        if share.open_loop is not loop:  # another loop's share, or a closed one
-            share = self._shares.of(loop)
-            if share.closed:
-                return await on_closed_share(share, key, fn, args, kwargs)
+        loop = share.quick_loop  # see _asyncio_internals.FIND_LOOP_BY_THREAD
+        if loop is None or loop_thread_id(loop) != get_ident():
+            try:
+                loop = get_running_loop()
+            except RuntimeError:
+                raise no_event_loop() from None
+            if share.open_loop is not loop:  # another loop's share, or a closed one
+                share = self._shares.of(loop)
+                if share.closed:
+                    return await on_closed_share(share, key, fn, args, kwargs)
         task = task_of(loop)
         if task is None:
             raise outside_task()

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import sys
+import weakref
 from asyncio import Future
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -23,6 +25,7 @@ from typing import Any
 from ._asyncio_internals import (
     EAGER_NEEDS_FACTORY,
     EAGER_TASKS,
+    finds_loop_by_thread,
     fut_waiter,
     has_asyncio_accessors,
     is_running,
@@ -88,6 +91,7 @@ class LoopShare:
         "loop",
         "new_future",
         "open_loop",
+        "quick_loop",
         "quick_waits",
     )
 
@@ -98,7 +102,12 @@ class LoopShare:
         count_calls: bool = False,
     ) -> None:
         self.loop = loop
-        self.open_loop = loop  # None once closed: see LoopShares.close
+        self.open_loop = loop  # None once closed (see close)
+        #: The loop, where run() may tell it runs by its thread (see
+        #: _asyncio_internals.FIND_LOOP_BY_THREAD); None elsewhere and once closed.
+        self.quick_loop = loop if finds_loop_by_thread(loop) else None
+        if self.quick_loop is not None:
+            _QUICK_LOOPS.add(self)
         self.clock = loop_clock(loop)
         # Whether the hand-off may read the loop's fields through the C getters of
         # _asyncio_internals instead of calling its Python methods.
@@ -128,6 +137,14 @@ class LoopShare:
         self.attention = self.counts.counting or bool(self.fences or self.idle_waiters)
 
     # -- reading ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Refuse new calls from now on; registered ones still run."""
+        self.closed = True
+        # run() takes this share when its loop is the running one by open_loop or
+        # quick_loop: those tests fail now, so it looks the share up and finds it closed.
+        self.open_loop = None
+        self.quick_loop = None
 
     def holder_of(self, key: Hashable) -> object:
         held = self.holders.get(key)
@@ -431,3 +448,19 @@ class LoopShare:
         if not self.holders and self.idle_waiters:
             self.wake_idle()
         return broken
+
+
+#: The shares whose ``quick_loop`` is set, for `_forget_quick_loops`.
+_QUICK_LOOPS: weakref.WeakSet[LoopShare] = weakref.WeakSet()
+
+
+def _forget_quick_loops() -> None:
+    """In a child forked while a loop ran: the child's copy of that loop still names this
+    thread in its ``_thread_id``, but never runs here; ``run`` must not take it for the
+    running loop, so the child's shares made before the fork find their loop the slow way."""
+    for share in list(_QUICK_LOOPS):
+        share.quick_loop = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_quick_loops)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -69,7 +70,7 @@ def test_the_wait_helpers_frames_still_hold_what_is_read() -> None:
 
 def test_the_hot_paths_getters_read_the_catalogued_fields() -> None:
     catalogued = {field for fields in internals.FIELDS.values() for field in fields}
-    getters = (internals.loop_task_factory, internals.loop_closed)
+    getters = (internals.loop_task_factory, internals.loop_closed, internals.loop_thread_id)
     read = {repr(getter).split("'")[1] for getter in getters}  # operator.attrgetter('_x')
     assert read <= catalogued
 
@@ -85,3 +86,25 @@ def test_the_hot_paths_getters_read_the_catalogued_fields() -> None:
         )
 
     asyncio.run(main())
+
+
+def test_a_loops_thread_id_names_its_thread_exactly_while_it_runs() -> None:
+    # What run() relies on where FIND_LOOP_BY_THREAD holds (see LoopShare.quick_loop).
+    loop = asyncio.new_event_loop()
+    try:
+        assert internals.finds_loop_by_thread(loop) is internals.FIND_LOOP_BY_THREAD
+        assert internals.loop_thread_id(loop) is None, (
+            "BaseEventLoop._thread_id is set before the loop runs"
+        )
+
+        async def seen() -> object:
+            return internals.loop_thread_id(asyncio.get_running_loop())
+
+        assert loop.run_until_complete(seen()) == threading.get_ident(), (
+            "BaseEventLoop._thread_id is no longer the running thread's id while the loop runs"
+        )
+        assert internals.loop_thread_id(loop) is None, (
+            "BaseEventLoop._thread_id is no longer cleared when the loop stops"
+        )
+    finally:
+        loop.close()

@@ -189,6 +189,40 @@ def test_using_a_loop_leaves_its_attributes_where_the_interpreter_keeps_them() -
         loop.close()
 
 
+def test_a_loop_that_stopped_without_closing_is_not_taken_for_the_next_one() -> None:
+    # The first loop stops with "k" still held in its share, and is the queue's last used;
+    # a second loop then runs in the same thread: its calls use its own share.
+    queue = KeyedSerialQueue()
+    first = asyncio.new_event_loop()
+    second = asyncio.new_event_loop()
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        await release.wait()
+
+    async def start_holder() -> asyncio.Task[None]:
+        holder = asyncio.ensure_future(queue.run("k", hold))
+        await asyncio.sleep(0)
+        assert queue.locked("k")
+        return holder
+
+    async def double(x: int) -> int:
+        return 2 * x
+
+    async def in_second() -> int:
+        # run() first: anything else would look the second loop's share up before it.
+        return await asyncio.wait_for(queue.run("k", double, 21), timeout=5)
+
+    try:
+        holder = first.run_until_complete(start_holder())
+        assert second.run_until_complete(in_second()) == 42
+        holder.cancel()
+        first.run_until_complete(asyncio.gather(holder, return_exceptions=True))
+    finally:
+        first.close()
+        second.close()
+
+
 def test_default_queue_is_shared_and_per_loop() -> None:
     async def main() -> bool:
         return default_queue() is default_queue() and len(default_queue()) == 0
