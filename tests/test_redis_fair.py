@@ -4,12 +4,14 @@ place while the call waits in its process, and leaves no gap when the call gives
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
-from keyserial.redis import RedisKeyedQueue
+from keyserial.redis import RedisKeyedQueue, RedisUnavailable, encode_key
+from keyserial.redis._transport import LuaScript
 
-from .redis_helpers import Clients, until_tickets_waiting
+from .redis_helpers import Clients, until, until_tickets_waiting
 from .turn_notes import TurnNotes
 
 pytestmark = pytest.mark.asyncio
@@ -70,3 +72,56 @@ async def test_a_call_that_gives_up_in_its_process_leaves_no_gap_in_redis(
     assert notes.order == ["hold", "b"]
     await a.aclose()
     await b.aclose()
+
+
+async def test_a_later_calls_grant_is_passed_on_while_the_earliest_call_registers_on_its_own(
+    clients: Clients, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The process's earliest waiting call ("A") could not register its ticket (Redis did not
+    # answer then), so it registers on its own, first in Redis's queue, once its turn here
+    # comes; a later call ("B"), registered fine, was granted meanwhile. B's call waits here
+    # behind A: B must not keep the turn it cannot take up. With a lease far longer than the
+    # test's bound, a kept turn shows as a timeout.
+    queue = RedisKeyedQueue(clients(), namespace="t", lease=30.0, fair=True)
+    notes = TurnNotes()
+    await queue.run("warm-up", asyncio.sleep, 0)  # its grant listener is subscribed
+    turns = queue._turns  # pyright: ignore[reportPrivateUsage]
+    listener = next(iter(turns.listeners.values()))
+    real_script, real_grant = turns.script, listener.grant
+    registrations: list[tuple[str, ...]] = []  # what each registration of "k" sent
+    held_back: list[tuple[str, int]] = []  # grants not delivered yet
+    deliver = asyncio.Event()
+
+    async def script(sent: LuaScript, base: str, *args: str | int, **options: Any) -> Any:
+        if sent is turns.acquire_script and base == turns.base(encode_key("k")):
+            registrations.append(tuple(map(str, args)))
+            if len(registrations) == 2:  # A's ticket
+                raise RedisUnavailable("injected: A's registration was not answered")
+        return await real_script(sent, base, *args, **options)
+
+    def grant(ticket: str, fence: int) -> None:
+        if deliver.is_set():
+            real_grant(ticket, fence)
+        else:
+            held_back.append((ticket, fence))
+
+    monkeypatch.setattr(turns, "script", script)
+    monkeypatch.setattr(listener, "grant", grant)
+
+    holder = asyncio.create_task(queue.run("k", notes.hold))
+    await notes.until_holding()
+    first = asyncio.create_task(queue.run("k", notes.note, "A"))
+    await until(lambda: len(registrations) == 2, "A's registration fails")
+    second = asyncio.create_task(queue.run("k", notes.note, "B"))
+    await until(lambda: len(registrations) == 3, "B registers")
+    notes.release.set()  # the holder ends: Redis grants B, whose grant is held back
+    await until(lambda: len(held_back) > 0, "B is granted")
+    # A's call, next here, registers on its own, first in Redis's queue, behind B's turn.
+    await until(lambda: len(registrations) == 4 and registrations[3][-1] == "1", "A registers")
+    await until_tickets_waiting(clients(), "t", "k", 1)
+    deliver.set()
+    for ticket, fence in held_back:
+        real_grant(ticket, fence)
+    await asyncio.wait_for(asyncio.gather(holder, first, second), timeout=10)
+    assert notes.order == ["hold", "A", "B"]
+    await queue.aclose()

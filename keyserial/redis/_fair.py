@@ -163,6 +163,11 @@ class FairTickets:
             return
         asked = loop.time()
         names = [ticket.name for ticket in tickets]
+        if sender.waiting and sender.waiting[0] is not tickets[0]:
+            # The earliest call here is not among them (it registers on its own, or is sent
+            # after them): none of them may keep a turn it holds, or its call, waiting here
+            # behind that earlier one, would hold the key while that one waits in Redis.
+            names.insert(0, scripts.EARLIER_ELSEWHERE)
         await self.turns.script(self.requeue_script, tickets[0].base, self.turns.lease_ms, *names)
         for ticket in tickets:
             ticket.asked = max(ticket.asked, asked)

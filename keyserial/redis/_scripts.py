@@ -209,18 +209,26 @@ end
 return 0
 """
 
+#: The first ticket of a REQUEUE when the process's earliest waiting call is not among them.
+EARLIER_ELSEWHERE = "!"
+
 # ARGV: lease_ms, ticket... (one process's waiting tickets of the key, in call order) -> the
 # number registered again. Redis lost one of them (a restart, a pause past its heartbeat),
 # or granted one whose call cannot take it up (an earlier one of the process waits): all
 # are taken out and put back together, in the order given, where the first of them still
 # queued stood (first if a later one holds the turn, last if none is queued), so that none
 # is granted before an earlier one. The first ticket, if it holds the turn, keeps it; a
-# ticket withdrawn meanwhile is left out.
+# ticket withdrawn meanwhile is left out. The first ticket may be EARLIER_ELSEWHERE: an
+# earlier call of the process waits under a ticket not given (registered on its own, or still
+# to be sent): then none given keeps the turn, and they are put back last if none is queued.
 REQUEUE = (
     _GRANT
     + """
 local lease_ms = tonumber(ARGV[1])
 local holder = redis.call('GET', HOLDER)
+local elsewhere = ARGV[2] == '"""
+    + EARLIER_ELSEWHERE
+    + """'
 local first
 local holding
 for i = 2, #ARGV do
@@ -231,7 +239,9 @@ for i = 2, #ARGV do
       redis.call('DEL', HOLDER)  -- its call cannot take it up: the earliest one gets it
       redis.call('DEL', WAS)
       holder = false
-      first = 0
+      if not elsewhere then
+        first = 0
+      end
     end
   end
 end
@@ -246,7 +256,8 @@ local tickets = {}
 for i = 2, #ARGV do
   local ticket = ARGV[i]
   redis.call('LREM', QUEUE, 0, ticket)
-  if ticket ~= holding and redis.call('EXISTS', base .. ':gone:' .. ticket) == 0 then
+  if ticket ~= holding and not (elsewhere and i == 2)
+      and redis.call('EXISTS', base .. ':gone:' .. ticket) == 0 then
     tickets[#tickets + 1] = ticket
   end
 end
