@@ -136,7 +136,7 @@ class LoopShare:
     def update_attention(self) -> None:
         self.attention = self.counts.counting or bool(self.fences or self.idle_waiters)
 
-    # -- reading ----------------------------------------------------------------------------
+    # -- closing ----------------------------------------------------------------------------
 
     def close(self) -> None:
         """Refuse new calls from now on; registered ones still run."""
@@ -145,6 +145,8 @@ class LoopShare:
         # quick_loop: those tests fail now, so it looks the share up and finds it closed.
         self.open_loop = None
         self.quick_loop = None
+
+    # -- reading ----------------------------------------------------------------------------
 
     def holder_of(self, key: Hashable) -> object:
         held = self.holders.get(key)
