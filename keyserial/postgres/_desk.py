@@ -287,10 +287,7 @@ class TicketDesk:
         self.parked.clear()
 
     async def _open(self) -> AsyncConnection[Any]:
-        conninfo: str = await resolved(self.pool.conninfo)
-        kwargs: dict[str, Any] = dict(await resolved(self.pool.kwargs) or {})
-        kwargs["autocommit"] = True
-        connection = await psycopg.AsyncConnection.connect(conninfo, **kwargs)
+        connection = await connect_beside(self.pool, autocommit=True)
         try:
             await ensure_sequence(connection, self.table, self.schema)
             await ensure_ticket_table(connection, self.table, self.schema)
@@ -438,7 +435,20 @@ async def _close(connection: AsyncConnection[Any]) -> None:
         await connection.close()
 
 
-async def resolved(setting: object) -> Any:
-    """A pool setting's value: the pool may hold it as a function, sync or async."""
+async def connect_beside(pool: AsyncConnectionPool[Any], **settings: Any) -> AsyncConnection[Any]:
+    """A connection of its own, outside ``pool``, made as the pool makes its connections (its
+    conninfo and kwargs, which it may hold as functions, sync or async), with ``settings``
+    over its kwargs.
+
+    Raises:
+        psycopg.OperationalError: the server could not be reached.
+    """
+    conninfo: str = await _resolved(pool.conninfo)
+    kwargs: dict[str, Any] = dict(await _resolved(pool.kwargs) or {})
+    kwargs.update(settings)
+    return await psycopg.AsyncConnection.connect(conninfo, **kwargs)
+
+
+async def _resolved(setting: object) -> Any:
     value = setting() if callable(setting) else setting
     return await value if inspect.isawaitable(value) else value

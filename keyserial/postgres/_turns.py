@@ -24,7 +24,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from .._errors import DeadlockError
-from ._desk import EarlyTurn, resolved
+from ._desk import EarlyTurn, connect_beside
 from ._early import EarlyTurns
 from ._errors import (
     CommitInDoubt,
@@ -234,10 +234,7 @@ class PostgresTurns:
         server is down times out the same way as one whose connections are all in use.
         """
         try:
-            conninfo: str = await resolved(self.pool.conninfo)
-            kwargs: dict[str, Any] = dict(await resolved(self.pool.kwargs) or {})
-            kwargs["connect_timeout"] = 5
-            probe = await psycopg.AsyncConnection.connect(conninfo, **kwargs)
+            probe = await connect_beside(self.pool, connect_timeout=5)
         except psycopg.Error as exc:
             return str(exc)
         await probe.close()
