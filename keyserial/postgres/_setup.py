@@ -20,7 +20,7 @@ from psycopg import AsyncConnection, sql
 from ._errors import SetupRequired
 
 #: The advisory lock taken while the sequence is created (by whichever process is first).
-_SETUP_LOCK = 0x6B65797365726961  # "keyseria"
+SETUP_LOCK = 0x6B65797365726961  # "keyseria"
 
 DEFAULT_TABLE = "keyserial_fences"
 
@@ -196,7 +196,7 @@ async def _create(
     """
     if await _exists(connection, name):
         return False
-    await connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK,))
+    await connection.execute("SELECT pg_advisory_xact_lock(%s)", (SETUP_LOCK,))
     try:
         await connection.execute(create)
     except psycopg.errors.InsufficientPrivilege as exc:

@@ -19,7 +19,7 @@ from typing import Any
 from .._queue import KeyedSerialQueue
 from ._message import StreamCounts, StreamMessage
 from ._redeliveries import Redeliveries
-from ._source import Entry, PartitionLost, StreamSource
+from ._source import AttemptFailed, Entry, PartitionLost, StreamSource
 
 Handler = Callable[[StreamMessage], Awaitable[Any]]
 
@@ -318,6 +318,12 @@ class PartitionWorker:
             self._fail(PartitionLost(str(exc)))
             await self._hold_key()
             return
+        except (PartitionLost, AttemptFailed) as exc:
+            # The broker refused the attempt's transaction, or its commit is in doubt: the
+            # next ownership runs the message again first, or finds it acknowledged.
+            self._fail(exc)
+            await self._hold_key()
+            return
         except asyncio.CancelledError:
             if self._closing:
                 raise
@@ -328,7 +334,8 @@ class PartitionWorker:
             return
         try:
             if error is None:
-                await self.acks.ack(entry.id)
+                if not self.source.acks_in_attempt:
+                    await self.acks.ack(entry.id)
                 self.counts.handled += 1
             else:
                 await self.source.dead_letter(self.partition, self.fence, entry, error)
@@ -369,7 +376,11 @@ class PartitionWorker:
                 self.fence,
             )
             try:
-                await self.handler(message)
+                async with self.source.attempt(self.partition, self.fence, entry) as needed:
+                    if needed:
+                        await self.handler(message)
+            except (PartitionLost, AttemptFailed):
+                raise
             except Exception as exc:
                 self.counts.failed_attempts += 1
                 # Closing: the worker cancelled it, and the handler turned that into an error.

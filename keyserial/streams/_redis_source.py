@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import math
-from collections.abc import Hashable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncGenerator, Hashable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, cast
 
 import redis.asyncio as redis_asyncio
-from redis.exceptions import MaxConnectionsError
+from redis.exceptions import MaxConnectionsError, RedisError
 
 from .._errors import LeaseLost
 from .._keycodec import deserialize_key, serialize_key
@@ -29,13 +27,18 @@ from ..redis._queue import RedisKeyedQueue
 from ..redis._transport import LuaScript, ScriptRunner, text
 from . import _redis_scripts as scripts
 from ._message import DeadLetter
-from ._source import Entry, PartitionLost, StreamSource
+from ._source import (
+    RESERVED_PREFIX,
+    Entry,
+    PartitionLost,
+    StreamSource,
+    Value,
+    checked_fields,
+    partition_for,
+)
 
 #: The field that carries a message's key; user fields may not use the ``keyserial.`` prefix.
 KEY_FIELD = "keyserial.key"
-RESERVED_PREFIX = "keyserial."
-
-Value = str | bytes | int | float
 
 #: Seconds an idle partition waits before reading again when no connection was free to block on.
 POLL_WITHOUT_CONNECTION = 0.05
@@ -91,6 +94,9 @@ class RedisStreamSource(StreamSource):
             is below the Redis backend's ``MIN_LEASE``.
     """
 
+    errors: tuple[type[Exception], ...] = (RedisError, ConnectionError, TimeoutError)
+    acks_in_attempt = False
+
     def __init__(
         self,
         client: redis_asyncio.Redis | redis_asyncio.RedisCluster,
@@ -144,32 +150,26 @@ class RedisStreamSource(StreamSource):
 
     def partition_of(self, key: Hashable) -> int:
         """A stable hash of the serialized key, the same in every process and version."""
-        return self._partition_of_serialized(serialize_key(key, "KeyedStream"))
+        return partition_for(serialize_key(key, "KeyedStream"), self.partitions)
 
-    def _partition_of_serialized(self, data: bytes) -> int:
-        digest = hashlib.blake2b(data, digest_size=8).digest()
-        return int.from_bytes(digest, "big") % self.partitions
-
-    async def publish(self, key: Hashable, fields: Mapping[str, Value]) -> str:
+    async def publish(
+        self, key: Hashable, fields: Mapping[str, Value], connection: object = None
+    ) -> str:
+        if connection is not None:
+            raise TypeError(
+                "a KeyedStream on Redis publishes on its own: connection= is for a stream "
+                "on PostgreSQL, whose messages can join the caller's transaction"
+            )
         data = serialize_key(key, "KeyedStream")
-        if not isinstance(fields, Mapping):
-            raise TypeError(f"fields must be a mapping, not {type(fields).__name__}")
-        message: dict[str, Value] = {KEY_FIELD: key_field_of(data)}
-        for name, value in fields.items():
-            if not isinstance(name, str):
-                raise TypeError(f"field names must be str, not {type(name).__name__}")
-            if name.startswith(RESERVED_PREFIX):
-                raise ValueError(f"field names starting with {RESERVED_PREFIX!r} are reserved")
-            if isinstance(value, bool) or not isinstance(value, (str, bytes, int, float)):
-                raise TypeError(
-                    f"field {name!r} must be str, bytes, int or float, not {type(value).__name__}"
-                )
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"field {name!r} is not a finite number: {value!r}")
-            message[name] = value
-        partition = self._partition_of_serialized(data)
+        message: dict[str, Value] = {KEY_FIELD: key_field_of(data), **checked_fields(fields)}
+        partition = partition_for(data, self.partitions)
         reply = await self._client.xadd(self.stream_name(partition), message)  # type: ignore[arg-type]
         return text(reply)
+
+    def attempt(
+        self, partition: int, fence: int, entry: Entry
+    ) -> AbstractAsyncContextManager[bool]:
+        return _no_transaction()
 
     def own(self, partition: int) -> AbstractAsyncContextManager[int]:
         return _Ownership(self._owners, partition, self._held)
@@ -270,6 +270,12 @@ class RedisStreamSource(StreamSource):
     async def aclose(self) -> None:
         await self._owners.aclose()
         await self._runner.close()
+
+
+@asynccontextmanager
+async def _no_transaction() -> AsyncGenerator[bool, None]:
+    """Redis has no transaction around a handler: the ack follows it, on its own."""
+    yield True
 
 
 class _Ownership:

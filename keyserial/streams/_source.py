@@ -1,11 +1,14 @@
 """The broker behind a ``KeyedStream``: partitions that one owner at a time reads and acks.
 
-A source keeps the broker's own words out of the consumer. Redis Streams is the first
-(``RedisStreamSource``); a NATS JetStream or Kafka adapter implements the same methods.
+A source keeps the broker's own words out of the consumer. Redis Streams
+(``RedisStreamSource``) and PostgreSQL (``PostgresStreamSource``) implement it; a NATS
+JetStream or Kafka adapter implements the same methods.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -13,9 +16,53 @@ from typing import Protocol
 
 from ._message import DeadLetter
 
+#: What a message's field values may be; handlers see them all as str.
+Value = str | bytes | int | float
+#: User fields may not start with it: the sources keep their own fields under it.
+RESERVED_PREFIX = "keyserial."
+
 
 class PartitionLost(Exception):
     """The broker refused a fenced request: another owner holds the partition now."""
+
+
+class AttemptFailed(Exception):
+    """The broker failed around a handler's attempt, not the handler: the attempt's
+    transaction could not begin, or its commit (with the acknowledgement) failed or was
+    not confirmed. The message stays unacknowledged as far as this owner knows, so its key
+    must not move on here; a new ownership runs it again first (or finds it acknowledged).
+    """
+
+
+def partition_for(data: bytes, partitions: int) -> int:
+    """The partition of a key serialized to ``data``: a stable hash, the same everywhere."""
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    return int.from_bytes(digest, "big") % partitions
+
+
+def checked_fields(fields: Mapping[str, Value]) -> dict[str, Value]:
+    """``fields`` as a dict, once every name and value is one a stream can carry.
+
+    Raises:
+        TypeError: ``fields`` is not a mapping, or a name or value has another type.
+        ValueError: a name starts with ``keyserial.``, or a float is not finite.
+    """
+    if not isinstance(fields, Mapping):
+        raise TypeError(f"fields must be a mapping, not {type(fields).__name__}")
+    checked: dict[str, Value] = {}
+    for name, value in fields.items():
+        if not isinstance(name, str):
+            raise TypeError(f"field names must be str, not {type(name).__name__}")
+        if name.startswith(RESERVED_PREFIX):
+            raise ValueError(f"field names starting with {RESERVED_PREFIX!r} are reserved")
+        if isinstance(value, bool) or not isinstance(value, (str, bytes, int, float)):
+            raise TypeError(
+                f"field {name!r} must be str, bytes, int or float, not {type(value).__name__}"
+            )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"field {name!r} is not a finite number: {value!r}")
+        checked[name] = value
+    return checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +89,41 @@ class StreamSource(Protocol):
     ``PartitionLost`` instead of acting for an owner whose fence is no longer current;
     ``read`` hands out each message once, in partition order, after every message ``claim``
     could still return.
+
+    A source whose ``acks_in_attempt`` is True acknowledges a message in ``attempt``'s
+    block, in the same transaction as the handler's writes; ``ack`` is then never called.
     """
 
     partitions: int
+    #: The exceptions by which the broker says it is unreachable or failed a request.
+    errors: tuple[type[Exception], ...]
+    #: Whether ``attempt``'s block acknowledges the message when the handler returns.
+    acks_in_attempt: bool
 
     def partition_of(self, key: Hashable) -> int:
         """The partition ``key``'s messages go to."""
         ...
 
-    async def publish(self, key: Hashable, fields: Mapping[str, str | bytes | int | float]) -> str:
-        """Append a message to ``key``'s partition; its id."""
+    async def publish(
+        self, key: Hashable, fields: Mapping[str, Value], connection: object = None
+    ) -> str:
+        """Append a message to ``key``'s partition; its id.
+
+        ``connection``: a connection of the broker's whose open transaction the message
+        joins; None to publish on its own. A source without transactions refuses any other.
+        """
+        ...
+
+    def attempt(
+        self, partition: int, fence: int, entry: Entry
+    ) -> AbstractAsyncContextManager[bool]:
+        """The block one attempt of ``entry``'s handler runs in.
+
+        Its value is False when the message needs no handling any more (an earlier
+        attempt's transaction did commit its acknowledgement). Raises ``PartitionLost``
+        on entering when ``fence`` is no longer current, and ``AttemptFailed`` when the
+        broker fails around the handler; the handler's own exception passes through.
+        """
         ...
 
     def own(self, partition: int) -> AbstractAsyncContextManager[int]:

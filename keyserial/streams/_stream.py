@@ -11,10 +11,11 @@ import os
 import secrets
 import socket
 from collections.abc import Awaitable, Callable, Generator, Hashable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import redis.asyncio as redis_asyncio
-from redis.exceptions import RedisError
+if TYPE_CHECKING:
+    import redis.asyncio as redis_asyncio
+    from psycopg_pool import AsyncConnectionPool
 
 from .._errors import LeaseLost
 from .._observation import QueueObserver
@@ -22,8 +23,7 @@ from .._queue import KeyedSerialQueue
 from ._assignment import assigned
 from ._message import DeadLetter, StreamCounts, StreamMessage, StreamStats
 from ._partition import Handler, InFlight, PartitionWorker
-from ._redis_source import RedisStreamSource, Value
-from ._source import PartitionLost, StreamSource
+from ._source import PartitionLost, StreamSource, Value
 
 H = TypeVar("H", bound=Callable[[StreamMessage], Awaitable[Any]])
 
@@ -113,7 +113,7 @@ class KeyedStream:
 
     def __init__(
         self,
-        client: redis_asyncio.Redis | redis_asyncio.RedisCluster,
+        client: redis_asyncio.Redis | redis_asyncio.RedisCluster | AsyncConnectionPool[Any],
         name: str,
         partitions: int = 16,
         *,
@@ -128,7 +128,7 @@ class KeyedStream:
         self.lease = float(lease)
         #: How long a partition's ownership and a consumer's membership last unrenewed.
         self._held_for = OWNERSHIP_SHARE * self.lease
-        self._source: StreamSource = RedisStreamSource(client, name, partitions, self._held_for)
+        self._source = _source_for(client, name, partitions, self._held_for)
         self.name = name
         self.member = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._handler: Handler | None = None
@@ -163,21 +163,28 @@ class KeyedStream:
         """
         return self._source.partition_of(key)
 
-    async def publish(self, key: Hashable, fields: Mapping[str, Value]) -> str:
+    async def publish(
+        self, key: Hashable, fields: Mapping[str, Value], *, connection: object = None
+    ) -> str:
         """Append a message for ``key``; returns its id in its partition.
 
         Messages of one key are consumed in the order their ``publish`` calls
-        completed. ``fields`` values are str, bytes, int or float; a handler sees
-        them all as str (bytes decoded as UTF-8, undecodable bytes kept as
-        surrogate escapes).
+        completed (on PostgreSQL: the order their transactions committed in).
+        ``fields`` values are str, bytes, int or float; a handler sees them all as
+        str (bytes decoded as UTF-8, undecodable bytes kept as surrogate escapes).
+
+        On PostgreSQL, ``connection`` (a psycopg ``AsyncConnection``) makes the
+        message part of that connection's open transaction: it exists if and only
+        if the transaction commits (a transactional outbox).
 
         Raises:
-            TypeError: ``key`` is not a str, bytes, int or a tuple of them, or a
-                field name or value has another type.
+            TypeError: ``key`` is not a str, bytes, int or a tuple of them, a
+                field name or value has another type, or ``connection`` is given
+                to a stream on Redis or is not a psycopg ``AsyncConnection``.
             ValueError: a field name starts with ``keyserial.`` (reserved), or a
                 float value is not finite.
         """
-        return await self._source.publish(key, fields)
+        return await self._source.publish(key, fields, connection)
 
     def consumer(
         self,
@@ -330,7 +337,7 @@ class KeyedStream:
         """Renew membership, then start serving the partitions now ours and hand off the rest."""
         try:
             members = await self._source.members(self.member, self._held_for)
-        except (RedisError, ConnectionError, TimeoutError) as exc:
+        except self._source.errors as exc:
             logger.warning("stream %r: membership not renewed (%s)", self.name, exc)
             return
         mine = assigned(self.partitions, members, self.member)
@@ -380,7 +387,7 @@ class KeyedStream:
                     else str(exc)
                 )
                 logger.warning("stream %r: partition %d lost: %s", self.name, partition, detail)
-            except (RedisError, ConnectionError, TimeoutError) as exc:
+            except self._source.errors as exc:
                 logger.warning("stream %r: partition %d: %s", self.name, partition, exc)
                 await asyncio.sleep(RETRY_BROKER)
             except Exception:
@@ -400,12 +407,27 @@ class KeyedStream:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._slots.clear()
-        with contextlib.suppress(RedisError, ConnectionError, TimeoutError):
+        with contextlib.suppress(*self._source.errors):
             await self._source.members(self.member, self._held_for, leaving=True)
 
     async def aclose(self) -> None:
         """Give back the connections the stream keeps (after ``run()`` returned)."""
         await self._source.aclose()
+
+
+def _source_for(client: object, name: str, partitions: int, held_for: float) -> StreamSource:
+    """The source for ``client``'s broker: a PostgreSQL pool or a Redis client.
+
+    Raises:
+        TypeError: ``client`` is neither (the Redis source names what it got).
+    """
+    if type(client).__module__.startswith("psycopg_pool"):
+        from ._postgres_source import PostgresStreamSource
+
+        return PostgresStreamSource(client, name, partitions, held_for)  # type: ignore[arg-type]
+    from ._redis_source import RedisStreamSource
+
+    return RedisStreamSource(client, name, partitions, held_for)  # type: ignore[arg-type]
 
 
 class _Ended:

@@ -1,0 +1,415 @@
+"""``PostgresStreamSource``: a keyed stream's partitions as rows of PostgreSQL tables.
+
+The tables are described in ``keyserial.postgres._stream_tables``. What makes effects
+exactly-once is where the acknowledgement happens: each attempt of a handler runs in a
+transaction of its own, which first locks its partition's row ``FOR KEY SHARE`` with the
+owner's fence (and finds the message still there), then runs the handler's statements
+(``keyserial.postgres.connection()`` is its connection), and deletes the message when the
+handler returns: the writes and the acknowledgement commit together or not at all.
+
+A new owner raises the fence after locking the row ``FOR UPDATE``, which waits for every
+transaction of the old owner to end: a stale owner's transaction either committed before
+the takeover (its message is gone when the new owner looks) or finds the fence changed and
+runs nothing. A paused owner cannot hold the row for ever: its transactions set
+``idle_in_transaction_session_timeout`` to its lease, so the server ends them.
+
+Consumers wake on ``NOTIFY``: a publication notifies its partition when it commits, and a
+released partition notifies the consumers waiting for it. An idle consumer holds one
+listening connection and asks the server nothing else but its lease renewals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Hashable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import psycopg
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+from .._keycodec import deserialize_key, serialize_key
+from ..postgres._connection import stream_transaction
+from ..postgres._stream_tables import ensure_stream_tables
+from ._message import DeadLetter
+from ._postgres_owners import CHANNEL, ERRORS, PartitionOwners
+from ._source import (
+    AttemptFailed,
+    Entry,
+    PartitionLost,
+    StreamSource,
+    Value,
+    checked_fields,
+    partition_for,
+)
+
+logger = logging.getLogger("keyserial.streams")
+
+_MESSAGES = "keyserial_stream_messages"
+_FENCE_CHECK = (
+    "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
+    "EXISTS (SELECT 1 FROM keyserial_stream_messages WHERE stream = %s AND partition = %s "
+    "AND id = %s) FROM keyserial_stream_partitions "
+    "WHERE stream = %s AND partition = %s AND fence = %s FOR KEY SHARE"
+)
+_COLUMNS = "id, key, names, vals, deliveries"
+
+
+def _as_bytes(value: Value) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    return str(value).encode("utf-8", "surrogateescape")
+
+
+def _entry_of(row: Sequence[Any]) -> Entry:
+    """An ``Entry`` from a row of ``_COLUMNS``."""
+    message_id, key_data, names, vals, deliveries = row
+    fields = {
+        name: bytes(value).decode("utf-8", "surrogateescape")
+        for name, value in zip(names, vals, strict=True)
+    }
+    try:
+        key: Hashable = deserialize_key(bytes(key_data))
+    except ValueError as exc:
+        return Entry(str(message_id), None, fields, deliveries, f"the key cannot be read: {exc}")
+    return Entry(str(message_id), key, fields, deliveries)
+
+
+def _caller(connection: object) -> AsyncConnection[Any]:
+    """The caller's connection a message joins the transaction of.
+
+    Raises:
+        TypeError: ``connection`` is not a psycopg ``AsyncConnection``.
+    """
+    if not isinstance(connection, AsyncConnection):
+        raise TypeError(
+            "connection must be a psycopg AsyncConnection whose transaction the message "
+            f"joins, not {type(connection).__module__}.{type(connection).__qualname__}"
+        )
+    caller: AsyncConnection[Any] = connection  # pyright: ignore[reportUnknownVariableType]
+    return caller
+
+
+def _position(start: str) -> int:
+    """A claim position as the worker holds it (``"0-0"``: the start) as a message id."""
+    return 0 if start == "0-0" else int(start)
+
+
+class PostgresStreamSource(StreamSource):
+    """Partitions of one keyed stream in PostgreSQL (see the module docstring).
+
+    Raises:
+        TypeError: ``pool`` is not a ``psycopg_pool.AsyncConnectionPool``, or ``name`` not
+            a str.
+        ValueError: ``name`` is empty, or ``partitions`` is not a positive int.
+    """
+
+    errors = ERRORS
+    acks_in_attempt = True
+
+    def __init__(
+        self, pool: AsyncConnectionPool[Any], name: str, partitions: int, lease: float
+    ) -> None:
+        if not isinstance(pool, AsyncConnectionPool):
+            raise TypeError(
+                "a KeyedStream on PostgreSQL needs a psycopg_pool.AsyncConnectionPool, not "
+                f"{type(pool).__module__}.{type(pool).__qualname__}"
+            )
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, not {type(name).__name__}")
+        if not name:
+            raise ValueError("name must be a non-empty string")
+        if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+            raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+        self.partitions = partitions
+        self.lease = float(lease)
+        self._pool = pool
+        self._name = name
+        self._prepared = False
+        self._preparing = asyncio.Lock()
+        self._owners = PartitionOwners(pool, name, partitions, self.lease, self._prepare)
+
+    def partition_of(self, key: Hashable) -> int:
+        return partition_for(serialize_key(key, "KeyedStream"), self.partitions)
+
+    async def _prepare(self) -> None:
+        """Make the tables and this stream's partitions, once per source.
+
+        Raises:
+            ValueError: the stream exists with another partition count.
+            SetupRequired: a table is missing and this role may not create it.
+        """
+        if self._prepared:
+            return
+        async with self._preparing:
+            if self._prepared:
+                return
+            async with self._pool.connection() as conn:
+                await ensure_stream_tables(conn)
+                async with conn.transaction():
+                    await conn.execute(
+                        "INSERT INTO keyserial_streams (stream, partitions) VALUES (%s, %s) "
+                        "ON CONFLICT (stream) DO NOTHING",
+                        (self._name, self.partitions),
+                    )
+                    found = await conn.execute(
+                        "SELECT partitions FROM keyserial_streams WHERE stream = %s",
+                        (self._name,),
+                    )
+                    row = await found.fetchone()
+                    if row is None or row[0] != self.partitions:
+                        raise ValueError(
+                            f"stream {self._name!r} has {row and row[0]} partitions in the "
+                            f"database, not {self.partitions}: a stream's partition count "
+                            "is fixed at its first use (it decides where each key's messages "
+                            "go); give KeyedStream the same partitions= everywhere"
+                        )
+                    await conn.execute(
+                        "INSERT INTO keyserial_stream_partitions (stream, partition) "
+                        "SELECT %s, generate_series(0, %s - 1) ON CONFLICT DO NOTHING",
+                        (self._name, self.partitions),
+                    )
+            self._prepared = True
+
+    async def publish(
+        self, key: Hashable, fields: Mapping[str, Value], connection: object = None
+    ) -> str:
+        data = serialize_key(key, "KeyedStream")
+        checked = checked_fields(fields)
+        caller = None if connection is None else _caller(connection)
+        await self._prepare()
+        partition = partition_for(data, self.partitions)
+        values = (
+            self._name,
+            partition,
+            data,
+            list(checked),
+            [_as_bytes(value) for value in checked.values()],
+            CHANNEL,
+            f"p:{partition}:{self._name}",
+        )
+        statement = (
+            "WITH m AS (INSERT INTO keyserial_stream_messages (stream, partition, key, names, "
+            "vals) VALUES (%s, %s, %s, %s, %s) RETURNING id) "
+            "SELECT id, pg_notify(%s, %s) FROM m"
+        )
+        if caller is None:
+            async with self._pool.connection() as conn:
+                found = await conn.execute(statement, values)
+                row = await found.fetchone()
+        else:
+            found = await caller.execute(statement, values)
+            row = await found.fetchone()
+        assert row is not None
+        return str(row[0])
+
+    def own(self, partition: int) -> AbstractAsyncContextManager[int]:
+        return self._owners.own(partition)
+
+    def holds(self, partition: int, fence: int) -> bool:
+        return self._owners.holds(partition, fence)
+
+    async def lag(self, partition: int) -> int:
+        async with self._pool.connection() as conn:
+            found = await conn.execute(
+                f"SELECT count(*) FROM {_MESSAGES} "
+                "WHERE stream = %s AND partition = %s AND deliveries = 0",
+                (self._name, partition),
+            )
+            row = await found.fetchone()
+        return int(row[0]) if row is not None else 0
+
+    @asynccontextmanager
+    async def _fenced(
+        self, partition: int, fence: int
+    ) -> AsyncGenerator[AsyncConnection[Any], None]:
+        """A transaction that acts for the owner with ``fence``: refused (``PartitionLost``)
+        once another owner took the partition, and holding the takeover off until it ends."""
+        async with self._pool.connection() as conn, conn.transaction():
+            found = await conn.execute(_FENCE_CHECK, self._fence_args(partition, fence, 0))
+            if await found.fetchone() is None:
+                raise PartitionLost(f"partition {partition} has another owner now")
+            yield conn
+
+    def _fence_args(self, partition: int, fence: int, message_id: int) -> tuple[Any, ...]:
+        """The arguments of ``_FENCE_CHECK``."""
+        idle = f"{max(1, int(self.lease * 1000))}ms"
+        return (idle, self._name, partition, message_id, self._name, partition, fence)
+
+    async def claim(
+        self, partition: int, fence: int, consumer: str, start: str, count: int
+    ) -> tuple[str, Sequence[Entry]]:
+        async with self._fenced(partition, fence) as conn:
+            found = await conn.execute(
+                f"UPDATE {_MESSAGES} SET deliveries = deliveries + 1 "
+                "WHERE stream = %s AND partition = %s AND id IN (SELECT id FROM "
+                f"{_MESSAGES} WHERE stream = %s AND partition = %s AND deliveries > 0 "
+                f"AND id > %s ORDER BY id LIMIT %s) RETURNING {_COLUMNS}",
+                (self._name, partition, self._name, partition, _position(start), count),
+            )
+            rows = sorted(await found.fetchall())
+        entries = [_entry_of(row) for row in rows]
+        return (entries[-1].id if len(entries) == count else "0-0"), entries
+
+    async def set_deliveries(
+        self, partition: int, fence: int, consumer: str, deliveries: Sequence[tuple[str, int]]
+    ) -> None:
+        async with self._fenced(partition, fence) as conn:
+            await conn.execute(
+                f"UPDATE {_MESSAGES} AS m SET deliveries = v.deliveries "
+                "FROM unnest(%s::bigint[], %s::integer[]) AS v(id, deliveries) "
+                "WHERE m.stream = %s AND m.partition = %s AND m.id = v.id",
+                (
+                    [int(message_id) for message_id, _ in deliveries],
+                    [count for _, count in deliveries],
+                    self._name,
+                    partition,
+                ),
+            )
+
+    async def read(
+        self, partition: int, fence: int, consumer: str, count: int
+    ) -> Sequence[Entry] | str:
+        self._owners.news[partition].clear()  # before the read: a publication sets it again
+        async with self._fenced(partition, fence) as conn:
+            found = await conn.execute(
+                f"UPDATE {_MESSAGES} SET deliveries = 1 "
+                "WHERE stream = %s AND partition = %s AND id IN (SELECT id FROM "
+                f"{_MESSAGES} WHERE stream = %s AND partition = %s AND deliveries = 0 "
+                f"ORDER BY id LIMIT %s) RETURNING {_COLUMNS}",
+                (self._name, partition, self._name, partition, count),
+            )
+            rows = sorted(await found.fetchall())
+        return [_entry_of(row) for row in rows] if rows else ""
+
+    async def wait(self, partition: int, after: str, timeout: float) -> None:
+        await self._owners.news_of(partition, timeout)
+
+    def attempt(
+        self, partition: int, fence: int, entry: Entry
+    ) -> AbstractAsyncContextManager[bool]:
+        return self._attempt(partition, fence, entry)
+
+    @asynccontextmanager
+    async def _attempt(
+        self, partition: int, fence: int, entry: Entry
+    ) -> AsyncGenerator[bool, None]:
+        """The handler's transaction: fenced, then the handler, then the ack, committed."""
+        try:
+            pooled = self._pool.connection()
+            conn = await pooled.__aenter__()
+        except psycopg.Error as exc:
+            raise AttemptFailed(f"no connection for message {entry.id}: {exc}") from exc
+        try:
+            try:
+                found = await conn.execute(
+                    _FENCE_CHECK, self._fence_args(partition, fence, int(entry.id))
+                )
+                row = await found.fetchone()
+            except psycopg.Error as exc:
+                raise AttemptFailed(f"message {entry.id} could not begin: {exc}") from exc
+            if row is None:
+                raise PartitionLost(f"partition {partition} has another owner now")
+            needed: bool = row[1]
+            bound = stream_transaction.set(conn)
+            try:
+                yield needed
+            finally:
+                stream_transaction.reset(bound)
+            try:
+                if needed:
+                    await conn.execute(
+                        f"DELETE FROM {_MESSAGES} WHERE stream = %s AND partition = %s AND id = %s",
+                        (self._name, partition, int(entry.id)),
+                    )
+                await conn.commit()
+            except psycopg.Error as exc:
+                raise AttemptFailed(
+                    f"message {entry.id} was handled, but its commit failed or was not "
+                    f"confirmed: {exc}"
+                ) from exc
+        except BaseException as exc:
+            with contextlib.suppress(psycopg.Error, OSError):
+                await conn.rollback()
+            await pooled.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        await pooled.__aexit__(None, None, None)
+
+    async def ack(self, partition: int, fence: int, ids: Sequence[str]) -> int:
+        async with self._fenced(partition, fence) as conn:
+            await conn.execute(
+                f"DELETE FROM {_MESSAGES} WHERE stream = %s AND partition = %s "
+                "AND id = ANY(%s::bigint[])",
+                (self._name, partition, [int(message_id) for message_id in ids]),
+            )
+        return await self.lag(partition)
+
+    async def dead_letter(self, partition: int, fence: int, entry: Entry, error: str) -> None:
+        async with self._fenced(partition, fence) as conn:
+            await conn.execute(
+                f"WITH gone AS (DELETE FROM {_MESSAGES} WHERE stream = %s AND partition = %s "
+                "AND id = %s RETURNING id, key, names, vals) "
+                "INSERT INTO keyserial_stream_dead (stream, partition, message_id, key, names, "
+                "vals, error, deliveries) SELECT %s, %s, id, key, names, vals, %s, %s FROM gone",
+                (
+                    self._name,
+                    partition,
+                    int(entry.id),
+                    self._name,
+                    partition,
+                    error,
+                    entry.deliveries,
+                ),
+            )
+
+    async def dead_letters(self, partition: int, count: int) -> Sequence[DeadLetter]:
+        async with self._pool.connection() as conn:
+            found = await conn.execute(
+                "SELECT message_id, key, names, vals, deliveries, error, id "
+                "FROM keyserial_stream_dead WHERE stream = %s AND partition = %s "
+                "ORDER BY id LIMIT %s",
+                (self._name, partition, count),
+            )
+            rows = await found.fetchall()
+        letters: list[DeadLetter] = []
+        for row in rows:
+            entry = _entry_of(row[:5])
+            letters.append(
+                DeadLetter(
+                    entry.key,
+                    entry.fields,
+                    entry.id,
+                    partition,
+                    row[5],
+                    str(row[6]),
+                    entry.deliveries,
+                )
+            )
+        return letters
+
+    async def members(self, member: str, ttl: float, *, leaving: bool = False) -> list[str]:
+        await self._prepare()
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(
+                "DELETE FROM keyserial_stream_members WHERE stream = %s "
+                "AND (expires < clock_timestamp() OR (member = %s AND %s))",
+                (self._name, member, leaving),
+            )
+            if not leaving:
+                await conn.execute(
+                    "INSERT INTO keyserial_stream_members (stream, member, expires) "
+                    "VALUES (%s, %s, clock_timestamp() + %s * interval '1 second') "
+                    "ON CONFLICT (stream, member) DO UPDATE SET expires = EXCLUDED.expires",
+                    (self._name, member, ttl),
+                )
+            found = await conn.execute(
+                "SELECT member FROM keyserial_stream_members WHERE stream = %s ORDER BY member",
+                (self._name,),
+            )
+            return [row[0] for row in await found.fetchall()]
+
+    async def aclose(self) -> None:
+        await self._owners.aclose()
