@@ -6,6 +6,10 @@ import hashlib
 
 from .._keycodec import serialize_key
 
+#: The advisory lock taken while the queue's or the streams' objects are created (by
+#: whichever process is first).
+SETUP_LOCK = 0x6B65797365726961  # "keyseria"
+
 
 def lock_id(namespace: str, key: object) -> int:
     """The advisory-lock id of ``key`` in ``namespace``: the same in every process.

@@ -18,9 +18,8 @@ import psycopg
 from psycopg import AsyncConnection, sql
 
 from ._errors import SetupRequired
-
-#: The advisory lock taken while the sequence is created (by whichever process is first).
-SETUP_LOCK = 0x6B65797365726961  # "keyseria"
+from ._ids import SETUP_LOCK
+from ._stream_tables import ensure_stream_tables, grant_stream_tables, stream_tables_sql
 
 DEFAULT_TABLE = "keyserial_fences"
 
@@ -115,9 +114,16 @@ def _qualified(name: str, schema: str | None) -> sql.Identifier:
 
 
 def setup_sql(
-    *, table: str = DEFAULT_TABLE, schema: str | None = None, grant_to: str | None = None
+    *,
+    table: str = DEFAULT_TABLE,
+    schema: str | None = None,
+    grant_to: str | None = None,
+    streams: bool = False,
 ) -> str:
     """The SQL that makes a queue's fence sequence and ticket table, for a migration tool.
+
+    With ``streams=True``, it also makes the tables of keyed streams on PostgreSQL
+    (``KeyedStream`` with a pool; in the search path's schema).
 
     Run it once, as a role that may create objects in the schema, with the same ``table``
     and ``schema`` the queue is given. ``grant_to`` names the application's role, which then
@@ -146,7 +152,8 @@ def setup_sql(
     ]
     if grant_to is not None:
         lines.extend(_grants_sql(table, schema, grant_to))
-    return "\n".join(line.as_string(None) + ";" for line in lines)
+    text = "\n".join(line.as_string(None) + ";" for line in lines)
+    return text + "\n" + stream_tables_sql(grant_to) if streams else text
 
 
 async def ensure_sequence(connection: AsyncConnection[Any], table: str, schema: str | None) -> None:
@@ -221,8 +228,8 @@ async def setup(
     schema: str | None = None,
     grant_to: str | None = None,
 ) -> None:
-    """Make the fence sequence and the ticket table on the database at ``conninfo``, and
-    grant their use.
+    """Make the fence sequence, the ticket table and the keyed stream tables on the database
+    at ``conninfo``, and grant their use.
 
     Raises:
         SetupRequired: the role of ``conninfo`` may not create the sequence.
@@ -231,9 +238,11 @@ async def setup(
     async with await AsyncConnection.connect(conninfo) as connection:
         await ensure_sequence(connection, table, schema)
         await ensure_ticket_table(connection, table, schema)
+        await ensure_stream_tables(connection)
         if grant_to is not None:
             for grant in _grants_sql(table, schema, grant_to):
                 await connection.execute(grant)
+            await grant_stream_tables(connection, grant_to)
         await connection.commit()
 
 
@@ -241,8 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m keyserial.postgres setup DSN [--table T] [--schema S] [--grant ROLE]``."""
     parser = argparse.ArgumentParser(
         prog="python -m keyserial.postgres",
-        description="Make the fence sequence and ticket table a PostgresKeyedQueue needs "
-        "(once, as a role that may create objects in the schema).",
+        description="Make the fence sequence and ticket table a PostgresKeyedQueue needs, "
+        "and the tables of keyed streams (once, as a role that may create objects).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser("setup", help="create the queue's objects and grant their use")
@@ -253,7 +262,10 @@ def main(argv: list[str] | None = None) -> None:
     command.add_argument("--print", action="store_true", help="print the SQL instead of running it")
     args = parser.parse_args(argv)
     if args.print:
-        print(setup_sql(table=args.table, schema=args.schema, grant_to=args.grant))
+        print(setup_sql(table=args.table, schema=args.schema, grant_to=args.grant, streams=True))
         return
     asyncio.run(setup(args.dsn, table=args.table, schema=args.schema, grant_to=args.grant))
-    print(f"the fence sequence {args.table}_seq and the ticket table {args.table}_tq are ready")
+    print(
+        f"the fence sequence {args.table}_seq, the ticket table {args.table}_tq and the "
+        "keyed stream tables are ready"
+    )

@@ -27,7 +27,7 @@ import psycopg
 from psycopg import AsyncConnection, sql
 
 from ._errors import SetupRequired
-from ._setup import SETUP_LOCK
+from ._ids import SETUP_LOCK
 
 #: The tables, in the order they are made.
 TABLES = (

@@ -48,6 +48,9 @@ from ._source import (
 
 logger = logging.getLogger("keyserial.streams")
 
+#: Seconds an idle owner waits for news before it reads again anyway: a safety net only.
+IDLE_RECHECK = 30.0
+
 _MESSAGES = "keyserial_stream_messages"
 _FENCE_CHECK = (
     "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
@@ -286,7 +289,9 @@ class PostgresStreamSource(StreamSource):
         return [_entry_of(row) for row in rows] if rows else ""
 
     async def wait(self, partition: int, after: str, timeout: float) -> None:
-        await self._owners.news_of(partition, timeout)
+        # Every publication is notified, and the listener raises every partition's news
+        # when it (re)connects: a short ``timeout`` would only make idle owners poll.
+        await self._owners.news_of(partition, max(timeout, IDLE_RECHECK))
 
     def attempt(
         self, partition: int, fence: int, entry: Entry

@@ -1,0 +1,379 @@
+"""KeyedStream on PostgreSQL, in one process against the real server: order, the outbox,
+exactly-once effects (the handler's writes commit with the acknowledgement), fences, retries,
+dead letters, bad input. Faults with real processes are in test_postgres_stream_faults."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import psycopg
+import pytest
+import pytest_asyncio
+import redis.asyncio as redis
+from psycopg_pool import AsyncConnectionPool
+
+from keyserial.postgres import connection
+from keyserial.streams import Entry, KeyedStream, PartitionLost, StreamMessage
+from keyserial.streams import _partition as partition_module
+from keyserial.streams._postgres_source import PostgresStreamSource
+
+from .conftest import Pools
+from .redis_helpers import until
+
+pytestmark = pytest.mark.asyncio
+
+LEASE = 1.0
+
+#: Makes a KeyedStream named "s" on a pool of its own (one per simulated consumer).
+Streams = Callable[..., Awaitable[KeyedStream]]
+
+
+@pytest_asyncio.fixture
+async def streams(pools: Pools) -> AsyncIterator[Streams]:
+    made: list[KeyedStream] = []
+
+    async def make(partitions: int = 4, lease: float = LEASE, name: str = "s") -> KeyedStream:
+        pool = await pools(max_size=20)
+        made.append(KeyedStream(pool, name, partitions, lease=lease))
+        return made[-1]
+
+    yield make
+    for stream in made:
+        await stream.stop()
+        await stream.aclose()
+
+
+@pytest_asyncio.fixture
+async def db(pools: Pools) -> AsyncConnectionPool[Any]:
+    """A pool for the test's own look at the database, with the table handlers write to."""
+    pool = await pools()
+    async with pool.connection() as conn:
+        await conn.execute("CREATE TABLE applied (key text, n int, at bigserial)")
+    return pool
+
+
+async def rows(pool: AsyncConnectionPool[Any], query: Any, *args: Any) -> list[tuple[Any, ...]]:
+    async with pool.connection() as conn:
+        found = await conn.execute(query, args)
+        return await found.fetchall()
+
+
+async def applied(pool: AsyncConnectionPool[Any]) -> list[tuple[str, int]]:
+    return [(k, n) for k, n in await rows(pool, "SELECT key, n FROM applied ORDER BY at")]
+
+
+async def unacknowledged(pool: AsyncConnectionPool[Any]) -> list[str]:
+    found = await rows(pool, "SELECT id FROM keyserial_stream_messages ORDER BY id")
+    return [str(row[0]) for row in found]
+
+
+class Running:
+    def __init__(self) -> None:
+        self.tasks: list[tuple[KeyedStream, asyncio.Task[None]]] = []
+
+    def start(self, stream: KeyedStream) -> None:
+        self.tasks.append((stream, asyncio.create_task(stream.run())))
+
+    async def stop_all(self) -> None:
+        for stream, task in self.tasks:
+            stream.stop()
+            await task
+
+
+@pytest_asyncio.fixture
+async def running() -> AsyncIterator[Running]:
+    runs = Running()
+    yield runs
+    await runs.stop_all()
+
+
+async def test_same_key_in_publish_order_different_keys_concurrently(
+    streams: Streams, running: Running
+) -> None:
+    stream = await streams()
+    log: list[tuple[str, str, int]] = []
+    a_may_finish = asyncio.Event()
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        n = int(message.fields["n"])
+        log.append(("start", str(message.key), n))
+        if message.key == "a" and n == 0:
+            await a_may_finish.wait()
+        log.append(("end", str(message.key), n))
+
+    for n in range(3):
+        await stream.publish("a", {"n": n})
+    await stream.publish("b", {"n": 0})
+    running.start(stream)
+    await until(lambda: ("start", "a", 0) in log, "a's first message started")
+    await until(lambda: ("end", "b", 0) in log, "b handled while a is held")
+    assert [entry for entry in log if entry[1] == "a"] == [("start", "a", 0)]
+    a_may_finish.set()
+    await until(lambda: ("end", "a", 2) in log, "all of a handled")
+    assert [entry for entry in log if entry[1] == "a"] == [
+        (edge, "a", n) for n in range(3) for edge in ("start", "end")
+    ]
+
+
+async def test_the_handlers_writes_commit_with_the_acknowledgement_before_its_key_moves_on(
+    streams: Streams, running: Running, db: AsyncConnectionPool[Any]
+) -> None:
+    stream = await streams(partitions=1)
+    first_may_finish = asyncio.Event()
+    seen: list[tuple[list[tuple[str, int]], list[str]]] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        n = int(message.fields["n"])
+        await connection().execute("INSERT INTO applied (key, n) VALUES (%s, %s)", (message.key, n))
+        seen.append((await applied(db), await unacknowledged(db)))
+        if n == 0:
+            await first_may_finish.wait()
+
+    first = await stream.publish("k", {"n": 0})
+    second = await stream.publish("k", {"n": 1})
+    running.start(stream)
+    await until(lambda: len(seen) == 1, "the first handler wrote")
+    # Written but not committed: others see neither the write nor the ack.
+    assert seen[0] == ([], [first, second])
+    assert await applied(db) == [] and await unacknowledged(db) == [first, second]
+    first_may_finish.set()
+    await until(lambda: len(seen) == 2, "the second handler wrote")
+    # When the key's next message runs, the first's write and its ack have both committed.
+    assert seen[1] == ([("k", 0)], [second])
+    await until(lambda: stream.stats().handled == 2, "both handled")
+    assert await applied(db) == [("k", 0), ("k", 1)]
+    assert await unacknowledged(db) == []
+
+
+async def test_a_failed_attempt_rolls_back_its_writes_then_the_message_is_dead_lettered(
+    streams: Streams, running: Running, db: AsyncConnectionPool[Any]
+) -> None:
+    stream = await streams(partitions=1)
+    attempts: list[int] = []
+
+    @stream.consumer(max_attempts=3, retry_delay=0)
+    async def handle(message: StreamMessage) -> None:
+        n = int(message.fields["n"])
+        await connection().execute("INSERT INTO applied (key, n) VALUES ('seg', %s)", (n,))
+        if message.fields["kind"] == "poison":
+            attempts.append(message.attempt)
+            raise ValueError(f"cannot parse {message.fields['text']!r}")
+
+    poison = await stream.publish(("seg", 1), {"kind": "poison", "text": "???", "n": 0})
+    await stream.publish(("seg", 1), {"kind": "final", "text": "hello", "n": 1})
+    running.start(stream)
+    await until(lambda: stream.stats().handled == 1, "the next message of the key handled")
+    assert attempts == [1, 2, 3]
+    # The poison message's three writes were rolled back with their attempts.
+    assert await applied(db) == [("seg", 1)]
+    [dead] = await stream.dead_letters()
+    assert (dead.key, dead.id, dead.partition) == (("seg", 1), poison, 0)
+    assert dead.fields == {"kind": "poison", "text": "???", "n": "0"}
+    assert (dead.error, dead.deliveries) == ("ValueError: cannot parse '???'", 1)
+    assert await unacknowledged(db) == []
+
+
+async def test_a_message_published_in_the_callers_transaction_exists_only_if_it_commits(
+    streams: Streams, running: Running, db: AsyncConnectionPool[Any]
+) -> None:
+    stream = await streams(partitions=2)
+    handled: list[str] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        handled.append(message.fields["kind"])
+
+    async with db.connection() as conn:
+        async with conn.transaction():
+            await conn.execute("INSERT INTO applied (key, n) VALUES ('order-1', 1)")
+            await stream.publish("order-1", {"kind": "kept"}, connection=conn)
+        with pytest.raises(ZeroDivisionError):
+            async with conn.transaction():
+                await conn.execute("INSERT INTO applied (key, n) VALUES ('order-1', 2)")
+                await stream.publish("order-1", {"kind": "rolled back"}, connection=conn)
+                raise ZeroDivisionError
+    running.start(stream)
+    await until(lambda: handled == ["kept"], "the committed message handled")
+    await stream.publish("order-1", {"kind": "later"})
+    await until(lambda: handled == ["kept", "later"], "a later message handled")
+    assert await applied(db) == [("order-1", 1)]
+
+
+async def test_a_stale_owners_transaction_holds_off_the_takeover_and_later_ones_are_refused(
+    pools: Pools,
+) -> None:
+    stale = PostgresStreamSource(await pools(), "s", 1, 0.5)
+    new = PostgresStreamSource(await pools(), "s", 1, 0.5)
+    first_id = await stale.publish("k", {"n": 0})
+    second_id = await stale.publish("k", {"n": 1})
+    fence = await stale._owners.take_over(0, "stale")  # pyright: ignore[reportPrivateUsage]
+    assert fence is not None
+    [first, second] = await stale.read(0, fence, "stale", 10)
+    assert isinstance(first, Entry) and (first.id, second.id) == (first_id, second_id)
+    async with stale._pool.connection() as conn:  # pyright: ignore[reportPrivateUsage]
+        # The stale owner's lease runs out (it was paused and did not renew it).
+        await conn.execute("UPDATE keyserial_stream_partitions SET lease_until = '-infinity'")
+    async with stale.attempt(0, fence, first) as needed:
+        assert needed
+        # While the stale owner's transaction runs, no one takes the partition over.
+        assert await new._owners.take_over(0, "new") is None  # pyright: ignore[reportPrivateUsage]
+    # It committed before the takeover, which now happens and finds the first message gone.
+    new_fence = await new._owners.take_over(0, "new")  # pyright: ignore[reportPrivateUsage]
+    assert new_fence == fence + 1
+    _, claimed = await new.claim(0, new_fence, "new", "0-0", 10)
+    assert [entry.id for entry in claimed] == [second_id]
+    # Whatever the stale owner tries next is refused inside its transaction.
+    with pytest.raises(PartitionLost):
+        async with stale.attempt(0, fence, second):
+            raise AssertionError("a stale owner's handler ran")
+    with pytest.raises(PartitionLost):
+        await stale.read(0, fence, "stale", 10)
+    with pytest.raises(PartitionLost):
+        await stale.dead_letter(0, fence, second, "stale")
+    await stale.aclose()
+    await new.aclose()
+
+
+async def test_an_attempt_for_a_message_whose_commit_did_land_runs_nothing(
+    pools: Pools,
+) -> None:
+    source = PostgresStreamSource(await pools(), "s", 1, 0.5)
+    await source.publish("k", {"n": 0})
+    fence = await source._owners.take_over(0, "owner")  # pyright: ignore[reportPrivateUsage]
+    assert fence is not None
+    [entry] = await source.read(0, fence, "owner", 10)
+    assert isinstance(entry, Entry)
+    async with source.attempt(0, fence, entry) as needed:
+        assert needed
+    # The commit landed, but (say) its reply was lost: the attempt made again finds no work.
+    async with source.attempt(0, fence, entry) as needed:
+        assert not needed
+    await source.aclose()
+
+
+async def test_a_message_whose_commit_failed_runs_again_before_the_next_of_its_key(
+    streams: Streams, running: Running, db: AsyncConnectionPool[Any]
+) -> None:
+    stream = await streams(partitions=1)
+    log: list[tuple[int, int]] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        n = int(message.fields["n"])
+        log.append((n, message.deliveries))
+        await connection().execute("INSERT INTO applied (key, n) VALUES (%s, %s)", (message.key, n))
+        if n == 0 and message.deliveries == 1:
+            found = await connection().execute("SELECT pg_backend_pid()")
+            row = await found.fetchone()
+            assert row is not None
+            # The handler returns normally, but its connection is gone before the commit.
+            await rows(db, "SELECT pg_terminate_backend(%s)", row[0])
+
+    await stream.publish("k", {"n": 0})
+    await stream.publish("k", {"n": 1})
+    running.start(stream)
+    await until(lambda: stream.stats().handled == 2, "both handled", seconds=20)
+    assert log == [(0, 1), (0, 2), (1, 1)]
+    assert await applied(db) == [("k", 0), ("k", 1)]
+    assert stream.stats().ownerships_lost == 0  # the partition was served again, not lost
+
+
+async def test_an_idle_consumer_reads_only_when_a_publication_is_notified(
+    streams: Streams, running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An owner that found nothing asks again after IDLE_WAIT at the latest, if its source
+    # does not wait longer: shortened here, so that polling would show at once.
+    monkeypatch.setattr(partition_module, "IDLE_WAIT", 0.01)
+    stream = await streams(partitions=2)
+    reads: list[int] = []
+    source = stream.source
+    read = source.read
+
+    async def counted(partition: int, fence: int, consumer: str, count: int) -> Any:
+        reads.append(partition)
+        return await read(partition, fence, consumer, count)
+
+    monkeypatch.setattr(source, "read", counted)
+    handled: list[str] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        handled.append(message.fields["n"])
+
+    running.start(stream)
+    await until(lambda: sorted(set(reads)) == [0, 1], "both partitions read once")
+    await asyncio.sleep(0.3)
+    idle_reads = len(reads)
+    assert idle_reads <= 4  # a first read each, and one each when the listener came up
+    await stream.publish("k", {"n": 1})
+    await until(lambda: handled == ["1"], "the published message handled")
+    assert len(reads) <= idle_reads + 2
+
+
+async def test_bad_input_is_refused_with_what_was_wrong(streams: Streams, pools: Pools) -> None:
+    stream = await streams(partitions=4)
+    await stream.publish("k", {"n": 1})
+    other = await streams(partitions=8)
+    with pytest.raises(ValueError, match="has 4 partitions in the database, not 8"):
+        await other.publish("k", {"n": 1})
+    with pytest.raises(TypeError, match="psycopg AsyncConnection"):
+        await stream.publish("k", {"n": 1}, connection="not a connection")
+    with pytest.raises(ValueError, match="reserved"):
+        await stream.publish("k", {"keyserial.key": 1})
+    with pytest.raises(TypeError, match=r"psycopg_pool\.AsyncConnectionPool"):
+        PostgresStreamSource(object(), "s", 1, 1.0)  # type: ignore[arg-type]
+    pool = await pools()
+    async with pool.connection() as conn:
+        with pytest.raises(TypeError, match="connection= is for a stream on PostgreSQL"):
+            await KeyedStream(redis.Redis(), "r").publish("k", {}, connection=conn)
+
+
+async def test_connection_outside_a_turn_or_a_handler_names_both() -> None:
+    with pytest.raises(RuntimeError, match="handler of a KeyedStream on PostgreSQL"):
+        connection()
+
+
+async def test_the_setup_command_makes_the_stream_tables_for_a_role_without_create(
+    postgres_dsn: str, pools: Pools
+) -> None:
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    from keyserial.postgres import SetupRequired, setup
+
+    role = f"ks_stream_app_{secrets.token_hex(4)}"
+    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as admin:
+        await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.execute(f"CREATE ROLE {role} LOGIN")
+        await admin.execute(f"REVOKE CREATE ON SCHEMA public FROM PUBLIC, {role}")
+    app_dsn = make_conninfo(postgres_dsn, user=role)
+    try:
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(app_dsn, open=False, max_size=4)
+        await pool.open(wait=True)
+        try:
+            stream = KeyedStream(pool, "s", 2)
+            with pytest.raises(SetupRequired, match=r"python -m keyserial\.postgres setup"):
+                await stream.publish("k", {"n": 1})
+            await setup(postgres_dsn, grant_to=role)
+            stream = KeyedStream(pool, "s", 2)
+            await stream.publish("k", {"n": 1})
+            handled: list[str] = []
+
+            @stream.consumer()
+            async def handle(message: StreamMessage) -> None:
+                handled.append(message.fields["n"])
+                stream.stop()
+
+            await asyncio.wait_for(stream.run(), 20)
+            await stream.aclose()
+            assert handled == ["1"] and conninfo_to_dict(app_dsn)["user"] == role
+        finally:
+            await pool.close()
+    finally:
+        async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as admin:
+            await admin.execute(f"DROP OWNED BY {role}")
+            await admin.execute(f"DROP ROLE {role}")
