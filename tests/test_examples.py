@@ -203,3 +203,18 @@ def test_stream_pipeline_ends_with_every_segment_final_only_with_keyed_stream(
     assert (segments, final, not_final) == (40, 40, 0)
     assert runs >= 120  # every update ran; more after the kill, never fewer
     assert int(rows["consumer group"][2]) > 0  # stale or lost segments without it
+
+
+def test_postgres_stream_applies_every_update_once_in_order_across_a_kill(
+    postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Imported under its own name: its consumer processes (spawned) import it again by name.
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    example: Any = importlib.import_module("postgres_stream")
+    result = example.run(postgres_dsn, 40)
+    assert result == {
+        "segments": 40,
+        "final": 40,
+        "applied three times": 40,
+        "unacknowledged": 0,
+    }

@@ -367,7 +367,8 @@ async def test_a_role_without_create_works_after_the_documented_setup_step(
 
 async def test_the_setup_sql_is_what_a_migration_needs(postgres_dsn: str, app_role: str) -> None:
     async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as admin:
-        for statement in setup_sql(grant_to=app_role, table="fences").split(";\n"):
+        migration = setup_sql(grant_to=app_role, table="fences", streams=True)
+        for statement in migration.split(";\n"):
             # One statement at a time, as a migration tool would send them.
             await admin.execute(sql.SQL(statement.rstrip(";")))  # pyright: ignore[reportArgumentType]
 
@@ -388,7 +389,7 @@ async def test_the_setup_sql_is_what_a_migration_needs(postgres_dsn: str, app_ro
         timeout=60,
         check=True,
     )
-    assert printed.stdout.strip() == setup_sql(table="fences")
+    assert printed.stdout.strip() == setup_sql(table="fences", streams=True)
 
 
 async def test_connections_that_died_idle_in_the_pool_are_replaced(

@@ -382,3 +382,29 @@ async def test_the_setup_command_makes_the_stream_tables_for_a_role_without_crea
         async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as admin:
             await admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
             await admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+async def test_leaving_an_ownership_ends_its_keeper_when_a_renewal_ends_with_the_cancel(
+    pools: Pools, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before Python 3.12, asyncio.wait_for returns the result of a request that completes
+    # in the same step as its task is cancelled, and the cancellation is lost: a keeper
+    # that relied on it alone renewed the lease for ever, and leaving the block hung.
+    source = PostgresStreamSource(await pools(), "s", 1, 0.3)
+    owners = source._owners  # pyright: ignore[reportPrivateUsage]
+    renewing, answer = asyncio.Event(), asyncio.Event()
+
+    async def renew(partition: int, fence: int) -> bool:
+        renewing.set()
+        await answer.wait()
+        return True
+
+    monkeypatch.setattr(owners, "renew", renew)
+
+    async def own_then_leave() -> None:
+        async with source.own(0):
+            await renewing.wait()
+            answer.set()  # the renewal completes in the step the block is left
+
+    await asyncio.wait_for(own_then_leave(), 10)
+    await source.aclose()

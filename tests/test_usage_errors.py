@@ -324,23 +324,25 @@ async def test_a_try_never_reports_a_deadlock_and_leaves_the_queue_as_it_was() -
 
 
 @pytest.mark.parametrize(
-    ("module", "missing", "extra"),
+    ("statement", "missing", "extra"),
     [
-        ("keyserial.redis", "redis", "redis"),
-        ("keyserial.streams", "redis", "redis"),
-        ("keyserial.postgres", "psycopg", "postgres"),
-        ("keyserial.postgres", "psycopg_pool", "postgres"),
-        ("keyserial.otel", "opentelemetry", "otel"),
+        ("import keyserial.redis", "redis", "redis"),
+        # keyserial.streams itself needs neither driver: a stream on PostgreSQL needs no redis.
+        ("import keyserial.streams; keyserial.streams.RedisStreamSource", "redis", "redis"),
+        ("from keyserial.streams import acl_rules", "redis", "redis"),
+        ("import keyserial.postgres", "psycopg", "postgres"),
+        ("import keyserial.postgres", "psycopg_pool", "postgres"),
+        ("import keyserial.otel", "opentelemetry", "otel"),
     ],
 )
 async def test_a_backend_without_its_driver_names_the_extra_to_install(
-    module: str, missing: str, extra: str
+    statement: str, missing: str, extra: str
 ) -> None:
     program = (
         "import sys\n"
         f"sys.modules[{missing!r}] = None  # as if it were not installed\n"
         "try:\n"
-        f"    import {module}\n"
+        f"    {statement}\n"
         "except ImportError as exc:\n"
         "    print(exc)\n"
     )

@@ -42,34 +42,46 @@ class InFlight:
 
     Room is reserved *before* a read and the unused part given back after it: partitions
     reading at the same time could otherwise each see the same room and together read
-    past the bound.
+    past the bound. Once the bound is reached, reading resumes when an eighth of it is
+    free again (``low_water``), not at each message that finishes: a read per finished
+    message would cost a request to the broker per message.
     """
 
-    __slots__ = ("_room", "count", "limit", "messages")
+    __slots__ = ("_room", "count", "limit", "low_water", "messages", "readers")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
+        self.low_water = max(1, limit // 8)
         self.count = 0  # reserved: messages in flight, and room held for reads still out
         self.messages = 0  # messages read and not finished
+        self.readers = 0  # the partitions reading into it
         self._room = asyncio.Event()
         self._room.set()
 
     def reserve(self, most: int) -> int:
-        """Reserve room for up to ``most`` messages now; how many (0 when full)."""
-        n = max(0, min(most, self.limit - self.count))
+        """Reserve room for up to ``most`` messages now; how many (0 while less than
+        ``low_water`` is free)."""
+        free = self.limit - self.count
+        n = max(0, min(most, free)) if free >= self.low_water else 0
         self.count += n
-        if self.count >= self.limit:
+        if self.limit - self.count < self.low_water:
             self._room.clear()
         return n
 
     def release(self, n: int = 1) -> None:
         """``n`` reserved messages finished, or were never read."""
         self.count -= n
-        if self.count < self.limit:
+        if self.limit - self.count >= self.low_water:
             self._room.set()
 
+    def share(self) -> int:
+        """The most one read may take: an even share of ``limit`` among the partitions
+        reading. A partition with a backlog reads again while there is room, but one read
+        cannot take all of it while other partitions' keys wait for any."""
+        return max(1, -(-self.limit // max(1, self.readers)))
+
     async def room(self) -> None:
-        """Wait until fewer than ``limit`` messages are in flight."""
+        """Wait until at least ``low_water`` places are free."""
         await self._room.wait()
 
 
@@ -176,12 +188,14 @@ class PartitionWorker:
         Raises ``PartitionLost`` (or the broker's error) when the partition can no longer
         be served; its handlers are cancelled then, unacknowledged.
         """
+        self.in_flight.readers += 1
         try:
             await self._take_over(stop)
             await self._read(stop)
             if self.failure is None:
                 await self._drain(drain_timeout)
         finally:
+            self.in_flight.readers -= 1
             await self._cancel_handlers()
         if self.failure is not None:
             raise self.failure
@@ -247,7 +261,7 @@ class PartitionWorker:
     async def _reserve(self, stop: asyncio.Event) -> int:
         """Reserve room to read messages into; 0 if told to stop while waiting for room."""
         while True:
-            room = self.in_flight.reserve(READ_BATCH)
+            room = self.in_flight.reserve(min(READ_BATCH, self.in_flight.share()))
             if room:
                 return room
             await self._until_any(stop, self.in_flight.room(), LAG_INTERVAL)

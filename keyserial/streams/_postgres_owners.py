@@ -152,14 +152,25 @@ class PartitionOwners:
             (self._name, partition, fence, CHANNEL, f"r:{partition}:{self._name}"),
         )
 
-    def listening(self, change: int) -> None:
-        """Count an ownership (waiting or held) in or out; the listener runs while any is."""
+    def listening(self, change: int) -> asyncio.Task[None] | None:
+        """Count an ownership (waiting or held) in or out; the listener runs while any is.
+
+        Returns the listener when the last one left: cancelled, for the caller to await
+        (it closes its connection on the way out)."""
         self._listeners += change
         if self._listeners > 0 and self._listener is None:
             self._listener = asyncio.get_running_loop().create_task(self._listen())
         elif self._listeners == 0 and self._listener is not None:
-            self._listener.cancel()
-            self._listener = None
+            listener, self._listener = self._listener, None
+            listener.cancel()
+            return listener
+        return None
+
+    async def stop_listening(self) -> None:
+        """Count an ownership out; once none is left, wait until the listener has ended."""
+        listener = self.listening(-1)
+        if listener is not None:
+            await asyncio.gather(listener, return_exceptions=True)
 
     async def _listen(self) -> None:
         while True:
@@ -198,6 +209,7 @@ class _Ownership:
         self.fence: int | None = None
         self.until = 0.0
         self.lost = False
+        self.ending = False  # the block is being left: the keeper stops
         self._task: asyncio.Task[Any] | None = None
         self._keeper: asyncio.Task[None] | None = None
         self._cancels_before = 0
@@ -225,7 +237,7 @@ class _Ownership:
                     break
                 await source.news_of(partition, source.lease / 5)
         except BaseException:
-            source.listening(-1)
+            await source.stop_listening()
             raise
         self.fence, self.until = fence, started + source.lease
         self._task, self._cancels_before = task, cancel_count(task)
@@ -237,10 +249,13 @@ class _Ownership:
         source, fence = self._source, self.fence
         assert fence is not None
         loop = asyncio.get_running_loop()
-        while True:
+        # ``ending`` is checked after every await, not only left to the cancellation that
+        # comes with it: before Python 3.12, wait_for can swallow a cancellation that
+        # arrives as its inner request completes, and this loop would then run on.
+        while not self.ending:
             await asyncio.sleep(max(0.0, min(source.lease / 3, self.until - loop.time())))
             started = loop.time()
-            if started >= self.until:
+            if self.ending or started >= self.until:
                 break
             try:
                 renewed = await asyncio.wait_for(
@@ -252,6 +267,8 @@ class _Ownership:
             if not renewed:
                 break
             self.until = started + source.lease
+        if self.ending:
+            return
         self.lost = True
         assert self._task is not None
         self._task.cancel()
@@ -260,6 +277,7 @@ class _Ownership:
         source, partition, fence = self._source, self._partition, self.fence
         assert fence is not None
         keeper, self._keeper = self._keeper, None
+        self.ending = True
         if keeper is not None:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
@@ -270,7 +288,7 @@ class _Ownership:
                 with contextlib.suppress(asyncio.TimeoutError, *ERRORS):
                     await asyncio.wait_for(source.release(partition, fence), source.lease)
         finally:
-            source.listening(-1)
+            await source.stop_listening()
         if self.lost:
             task = self._task
             assert task is not None

@@ -28,7 +28,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import psycopg
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, sql
 from psycopg_pool import AsyncConnectionPool
 
 from .._keycodec import deserialize_key, serialize_key
@@ -52,11 +52,26 @@ logger = logging.getLogger("keyserial.streams")
 IDLE_RECHECK = 30.0
 
 _MESSAGES = "keyserial_stream_messages"
-_FENCE_CHECK = (
-    "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
-    "EXISTS (SELECT 1 FROM keyserial_stream_messages WHERE stream = %s AND partition = %s "
-    "AND id = %s) FROM keyserial_stream_partitions "
+#: Locks the partition's row for the owner with the given fence (no row: another owner has
+#: it now), and has the server end the transaction if it stays idle past the lease.
+_FENCE = (
+    "SELECT set_config('idle_in_transaction_session_timeout', %s, true) "
+    "FROM keyserial_stream_partitions "
     "WHERE stream = %s AND partition = %s AND fence = %s FOR KEY SHARE"
+)
+#: An attempt's first round trip: the transaction begins, the fence is checked as by
+#: ``_FENCE``, and the message is deleted (its acknowledgement, undone if the transaction
+#: rolls back). Sent as one simple query, so its values are literals: ints, and the
+#: stream's name quoted by psycopg. Its row: whether the fence held, whether the message
+#: was still there (an attempt whose commit landed without its reply leaves it gone).
+_BEGIN_ATTEMPT = (
+    "BEGIN; "
+    "WITH owner AS (SELECT set_config('idle_in_transaction_session_timeout', '{idle}', true) "
+    "FROM keyserial_stream_partitions WHERE stream = {name} AND partition = {partition} "
+    "AND fence = {fence} FOR KEY SHARE), "
+    "gone AS (DELETE FROM keyserial_stream_messages WHERE stream = {name} "
+    "AND partition = {partition} AND id = {id} AND EXISTS (SELECT 1 FROM owner) RETURNING 1) "
+    "SELECT EXISTS (SELECT 1 FROM owner), EXISTS (SELECT 1 FROM gone)"
 )
 _COLUMNS = "id, key, names, vals, deliveries"
 
@@ -133,6 +148,9 @@ class PostgresStreamSource(StreamSource):
         self._name = name
         self._prepared = False
         self._preparing = asyncio.Lock()
+        #: How long a transaction of the owner may stay idle before the server ends it.
+        self._idle = f"{max(1, int(self.lease * 1000))}ms"
+        self._quoted_name = sql.Literal(name).as_string(None)
         self._owners = PartitionOwners(pool, name, partitions, self.lease, self._prepare)
 
     def partition_of(self, key: Hashable) -> int:
@@ -232,15 +250,10 @@ class PostgresStreamSource(StreamSource):
         """A transaction that acts for the owner with ``fence``: refused (``PartitionLost``)
         once another owner took the partition, and holding the takeover off until it ends."""
         async with self._pool.connection() as conn, conn.transaction():
-            found = await conn.execute(_FENCE_CHECK, self._fence_args(partition, fence, 0))
+            found = await conn.execute(_FENCE, (self._idle, self._name, partition, fence))
             if await found.fetchone() is None:
                 raise PartitionLost(f"partition {partition} has another owner now")
             yield conn
-
-    def _fence_args(self, partition: int, fence: int, message_id: int) -> tuple[Any, ...]:
-        """The arguments of ``_FENCE_CHECK``."""
-        idle = f"{max(1, int(self.lease * 1000))}ms"
-        return (idle, self._name, partition, message_id, self._name, partition, fence)
 
     async def claim(
         self, partition: int, fence: int, consumer: str, start: str, count: int
@@ -303,33 +316,38 @@ class PostgresStreamSource(StreamSource):
         self, partition: int, fence: int, entry: Entry
     ) -> AsyncGenerator[bool, None]:
         """The handler's transaction: fenced, then the handler, then the ack, committed."""
+        begin = _BEGIN_ATTEMPT.format(
+            idle=self._idle,
+            name=self._quoted_name,
+            partition=partition,
+            fence=fence,
+            id=int(entry.id),
+        )
         try:
             pooled = self._pool.connection()
             conn = await pooled.__aenter__()
         except psycopg.Error as exc:
             raise AttemptFailed(f"no connection for message {entry.id}: {exc}") from exc
+        autocommit = conn.autocommit
         try:
             try:
-                found = await conn.execute(
-                    _FENCE_CHECK, self._fence_args(partition, fence, int(entry.id))
-                )
+                # In autocommit mode psycopg sends no BEGIN of its own: ours goes with the
+                # fence check, and the handler's statements join the transaction it opens.
+                await conn.set_autocommit(True)
+                found = await conn.execute(begin)  # pyright: ignore[reportArgumentType]
+                found.nextset()
                 row = await found.fetchone()
             except psycopg.Error as exc:
                 raise AttemptFailed(f"message {entry.id} could not begin: {exc}") from exc
-            if row is None:
+            assert row is not None
+            if not row[0]:
                 raise PartitionLost(f"partition {partition} has another owner now")
-            needed: bool = row[1]
             bound = stream_transaction.set(conn)
             try:
-                yield needed
+                yield row[1]
             finally:
                 stream_transaction.reset(bound)
             try:
-                if needed:
-                    await conn.execute(
-                        f"DELETE FROM {_MESSAGES} WHERE stream = %s AND partition = %s AND id = %s",
-                        (self._name, partition, int(entry.id)),
-                    )
                 await conn.commit()
             except psycopg.Error as exc:
                 raise AttemptFailed(
@@ -339,6 +357,7 @@ class PostgresStreamSource(StreamSource):
         except BaseException as exc:
             with contextlib.suppress(psycopg.Error, OSError):
                 await conn.rollback()
+                await conn.set_autocommit(autocommit)
             await pooled.__aexit__(type(exc), exc, exc.__traceback__)
             if conn.broken and isinstance(exc, psycopg.Error):
                 # The connection died under the handler (a restart, a terminated backend):
@@ -347,6 +366,8 @@ class PostgresStreamSource(StreamSource):
                     f"the connection of message {entry.id}'s transaction was lost: {exc}"
                 ) from exc
             raise
+        with contextlib.suppress(psycopg.Error, OSError):
+            await conn.set_autocommit(autocommit)
         await pooled.__aexit__(None, None, None)
 
     async def ack(self, partition: int, fence: int, ids: Sequence[str]) -> int:

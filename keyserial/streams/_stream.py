@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
 
 from .._errors import LeaseLost
+from .._extras import require_extra
 from .._observation import QueueObserver
 from .._queue import KeyedSerialQueue
 from ._assignment import assigned
@@ -59,10 +60,10 @@ class KeyedStream:
     """A stream of keyed messages, consumed per key in order by any number of processes.
 
     Messages are published with a key; keys map to ``partitions`` partitions by a stable
-    hash, each one Redis stream. Each partition has one owner at a time among the running
-    consumers, through the Redis backend's leases and fences. The owner runs its messages
-    through an in-process keyed queue: different keys concurrently, the same key strictly
-    one after the other in stream order.
+    hash, each one Redis stream (or, on PostgreSQL, rows of one table). Each partition has
+    one owner at a time among the running consumers, under a lease and a fence. The owner
+    runs its messages through an in-process keyed queue: different keys concurrently, the
+    same key strictly one after the other in stream order.
 
     Guarantees:
 
@@ -81,11 +82,16 @@ class KeyedStream:
       stale owner's writes;
     * consumers share the partitions evenly, and a dead consumer's partitions are taken
       over within ``lease`` seconds;
-    * reading stops while ``max_in_flight`` messages are unfinished.
+    * reading stops while ``max_in_flight`` messages are unfinished;
+    * on PostgreSQL, the handler's statements on ``keyserial.postgres.connection()``
+      run in the transaction that acknowledges its message: they commit once per
+      message, with the acknowledgement, and a stale owner can commit neither.
 
     Args:
-        client: a ``redis.asyncio.Redis`` client (Redis 7.0 or later), or a
-            ``redis.asyncio.RedisCluster`` (redis-py 8.0 or later).
+        client: a ``redis.asyncio.Redis`` client (Redis 7.0 or later), a
+            ``redis.asyncio.RedisCluster`` (redis-py 8.0 or later), or a
+            ``psycopg_pool.AsyncConnectionPool`` (PostgreSQL 13 or later; the page
+            "Keyed streams on PostgreSQL" says what it adds).
         name: the stream's name; producers and consumers use the same one.
         partitions: how many partitions; fixed for the stream's life (it decides
             where each key's messages go), and the most consumers that can share the work.
@@ -94,7 +100,8 @@ class KeyedStream:
             for more than about half of it loses its partitions.
 
     Raises:
-        TypeError: ``client`` is not a ``redis.asyncio.Redis``, or ``name`` not a str.
+        TypeError: ``client`` is not a ``redis.asyncio.Redis`` (or ``RedisCluster``) nor a
+            ``psycopg_pool.AsyncConnectionPool``, or ``name`` not a str.
         ValueError: ``name`` is empty, ``partitions`` is not a positive int, or
             ``lease`` is not a finite number of seconds of at least 0.2.
 
@@ -268,8 +275,9 @@ class KeyedStream:
     async def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """Up to ``count`` dead letters of each partition, partition by partition, oldest first.
 
-        A dead letter stays until deleted from its partition's dead-letter stream
-        (``XDEL``, or ``XTRIM`` to keep the newest).
+        A dead letter stays until deleted: on Redis from its partition's dead-letter
+        stream (``XDEL``, or ``XTRIM`` to keep the newest), on PostgreSQL from the table
+        ``keyserial_stream_dead``.
         """
         found: list[DeadLetter] = []
         for partition in range(self.partitions):
@@ -416,18 +424,26 @@ class KeyedStream:
 
 
 def _source_for(client: object, name: str, partitions: int, held_for: float) -> StreamSource:
-    """The source for ``client``'s broker: a PostgreSQL pool or a Redis client.
+    """The source for ``client``'s broker: a Redis client or a PostgreSQL pool.
 
     Raises:
-        TypeError: ``client`` is neither (the Redis source names what it got).
+        TypeError: ``client`` is neither.
     """
-    if type(client).__module__.startswith("psycopg_pool"):
+    module = type(client).__module__
+    if module.startswith("psycopg_pool"):
+        require_extra("KeyedStream on PostgreSQL", "postgres", "psycopg", "psycopg_pool")
         from ._postgres_source import PostgresStreamSource
 
         return PostgresStreamSource(client, name, partitions, held_for)  # type: ignore[arg-type]
-    from ._redis_source import RedisStreamSource
+    if module.startswith("redis"):
+        require_extra("KeyedStream on Redis", "redis", "redis")
+        from ._redis_source import RedisStreamSource
 
-    return RedisStreamSource(client, name, partitions, held_for)  # type: ignore[arg-type]
+        return RedisStreamSource(client, name, partitions, held_for)  # type: ignore[arg-type]
+    raise TypeError(
+        "KeyedStream needs a redis.asyncio.Redis or redis.asyncio.RedisCluster client, or a "
+        f"psycopg_pool.AsyncConnectionPool, not {module}.{type(client).__qualname__}"
+    )
 
 
 class _Ended:
