@@ -137,8 +137,10 @@ async def _claim_worker(conn: psycopg.AsyncConnection[Any], stop: asyncio.Event)
         if row is None:
             await asyncio.sleep(0.01)
             continue
-        await write_effect(conn, row[1], row[2])
+        # No transaction stays open while the job runs: its write commits on its own.
+        await conn.execute("INSERT INTO effects (key, seq) VALUES (%s, %s)", (row[1], row[2]))
         await conn.commit()
+        await asyncio.sleep(HANDLER_AWAIT)
         await conn.execute("DELETE FROM jobs WHERE id = %s", (row[0],))
         await conn.commit()
 
@@ -298,13 +300,6 @@ def consume_until_terminated(consumer: str, dsn: str) -> None:
     async def consume() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        if os.environ.get("KS_DEBUG_STOP"):
-
-            def dump() -> None:
-                for t in asyncio.all_tasks():
-                    t.print_stack(file=sys.stderr)
-
-            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
         await CONSUME[consumer](dsn, stop)
 
     asyncio.run(consume())
