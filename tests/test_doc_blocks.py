@@ -137,7 +137,8 @@ def _finish(page: str) -> None:
         pending = asyncio.all_tasks(run.loop)
         for task in pending:
             task.cancel()
-        run.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        if pending:  # gather() of nothing, with no loop set, would make a loop of its own
+            run.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         run.loop.run_until_complete(run.loop.shutdown_asyncgens())
     run.loop.close()
     run.cleanup.close()
