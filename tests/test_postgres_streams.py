@@ -408,3 +408,60 @@ async def test_leaving_an_ownership_ends_its_keeper_when_a_renewal_ends_with_the
 
     await asyncio.wait_for(own_then_leave(), 10)
     await source.aclose()
+
+
+async def test_a_new_owner_first_runs_the_previous_owners_unacknowledged_messages(
+    streams: Streams, running: Running, pools: Pools
+) -> None:
+    stream = await streams(partitions=1)
+    for n in range(3):
+        await stream.publish("k", {"n": n})
+    # An earlier owner read the first two and died before acknowledging them.
+    dead = PostgresStreamSource(await pools(), "s", 1, 0.3)
+    fence = await dead._owners.take_over(0, "dead")  # pyright: ignore[reportPrivateUsage]
+    assert fence is not None
+    got = await dead.read(0, fence, "dead", 2)
+    assert [entry.id for entry in got if isinstance(entry, Entry)] != []
+    await stream.publish("k", {"n": 3})
+    assert await stream.source.lag(0) == 2  # the last two: never handed out
+    log: list[tuple[int, int]] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        log.append((int(message.fields["n"]), message.deliveries))
+
+    running.start(stream)
+    await until(lambda: len(log) == 4, "all four handled")
+    # Message 1 sat behind message 0 of its key: it never started, so the claim that
+    # handed it out again does not count as a delivery.
+    assert log == [(0, 2), (1, 1), (2, 1), (3, 1)]
+    assert await stream.source.lag(0) == 0
+    await dead.aclose()
+
+
+async def test_a_message_handed_out_more_than_max_deliveries_times_is_dead_lettered_unrun(
+    streams: Streams, running: Running, pools: Pools, db: AsyncConnectionPool[Any]
+) -> None:
+    stream = await streams(partitions=1)
+    poison = await stream.publish("k", {"n": 0})
+    await stream.publish("k", {"n": 1})
+    # Owners kept dying while it ran: it was handed out three times already.
+    dead = PostgresStreamSource(await pools(), "s", 1, 0.3)
+    fence = await dead._owners.take_over(0, "dead")  # pyright: ignore[reportPrivateUsage]
+    assert fence is not None
+    await dead.read(0, fence, "dead", 1)
+    await rows(
+        db, "UPDATE keyserial_stream_messages SET deliveries = 3 WHERE id = %s RETURNING id", poison
+    )
+    handled: list[str] = []
+
+    @stream.consumer(max_deliveries=3)
+    async def handle(message: StreamMessage) -> None:
+        handled.append(message.fields["n"])
+
+    running.start(stream)
+    await until(lambda: handled == ["1"], "the next message of the key handled")
+    [letter] = await stream.dead_letters()
+    assert (letter.id, letter.deliveries) == (poison, 4)
+    assert letter.error.startswith("delivered 4 times, more than max_deliveries=3")
+    await dead.aclose()

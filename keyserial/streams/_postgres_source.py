@@ -3,9 +3,11 @@
 The tables are described in ``keyserial.postgres._stream_tables``. What makes effects
 exactly-once is where the acknowledgement happens: each attempt of a handler runs in a
 transaction of its own, which first locks its partition's row ``FOR KEY SHARE`` with the
-owner's fence (and finds the message still there), then runs the handler's statements
-(``keyserial.postgres.connection()`` is its connection), and deletes the message when the
-handler returns: the writes and the acknowledgement commit together or not at all.
+owner's fence and deletes the message (its acknowledgement), then runs the handler's
+statements (``keyserial.postgres.connection()`` is its connection), and commits when the
+handler returns: the writes and the acknowledgement commit together or not at all. A
+message found already deleted was acknowledged by an attempt whose commit landed; it is
+not run again.
 
 A new owner raises the fence after locking the row ``FOR UPDATE``, which waits for every
 transaction of the old owner to end: a stale owner's transaction either committed before
@@ -15,7 +17,7 @@ runs nothing. A paused owner cannot hold the row for ever: its transactions set
 
 Consumers wake on ``NOTIFY``: a publication notifies its partition when it commits, and a
 released partition notifies the consumers waiting for it. An idle consumer holds one
-listening connection and asks the server nothing else but its lease renewals.
+listening connection and sends the server only its lease and membership renewals.
 """
 
 from __future__ import annotations
