@@ -44,6 +44,7 @@ from ._source import (
     PartitionLost,
     StreamSource,
     Value,
+    check_stream,
     checked_fields,
     partition_for,
 )
@@ -138,12 +139,7 @@ class PostgresStreamSource(StreamSource):
                 "a KeyedStream on PostgreSQL needs a psycopg_pool.AsyncConnectionPool, not "
                 f"{type(pool).__module__}.{type(pool).__qualname__}"
             )
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a str, not {type(name).__name__}")
-        if not name:
-            raise ValueError("name must be a non-empty string")
-        if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
-            raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+        check_stream(name, partitions)
         self.partitions = partitions
         self.lease = float(lease)
         self._pool = pool

@@ -33,6 +33,7 @@ from ._source import (
     PartitionLost,
     StreamSource,
     Value,
+    check_stream,
     checked_fields,
     partition_for,
 )
@@ -109,12 +110,7 @@ class RedisStreamSource(StreamSource):
                 "KeyedStream needs a redis.asyncio.Redis or redis.asyncio.RedisCluster "
                 f"client, not {type(client).__module__}.{type(client).__qualname__}"
             )
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a str, not {type(name).__name__}")
-        if not name:
-            raise ValueError("name must be a non-empty string")
-        if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
-            raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+        check_stream(name, partitions)
         namespace = stream_namespace(name)
         self.partitions = partitions
         self.lease = float(lease)

@@ -34,6 +34,21 @@ class AttemptFailed(Exception):
     """
 
 
+def check_stream(name: object, partitions: object) -> None:
+    """Refuse a stream's name or partition count before anything is sent.
+
+    Raises:
+        TypeError: ``name`` is not a str.
+        ValueError: ``name`` is empty, or ``partitions`` is not a positive int.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, not {type(name).__name__}")
+    if not name:
+        raise ValueError("name must be a non-empty string")
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+        raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+
+
 def partition_for(data: bytes, partitions: int) -> int:
     """The partition of a key serialized to ``data``: a stable hash, the same everywhere."""
     digest = hashlib.blake2b(data, digest_size=8).digest()
