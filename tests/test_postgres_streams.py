@@ -5,6 +5,7 @@ dead letters, bad input. Faults with real processes are in test_postgres_stream_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -465,3 +466,53 @@ async def test_a_message_handed_out_more_than_max_deliveries_times_is_dead_lette
     assert (letter.id, letter.deliveries) == (poison, 4)
     assert letter.error.startswith("delivered 4 times, more than max_deliveries=3")
     await dead.aclose()
+
+
+async def test_a_handler_that_swallows_a_statements_error_fails_its_attempt(
+    streams: Streams, running: Running, db: AsyncConnectionPool[Any]
+) -> None:
+    # PostgreSQL answers the COMMIT of a failed transaction with a rollback, not an error:
+    # taken as done, the message's acknowledgement would be undone while its key moved on.
+    stream = await streams(partitions=1)
+    attempts: list[tuple[int, int]] = []
+
+    @stream.consumer(max_attempts=3, retry_delay=0)
+    async def handle(message: StreamMessage) -> None:
+        n = int(message.fields["n"])
+        attempts.append((n, message.attempt))
+        await connection().execute("INSERT INTO applied (key, n) VALUES ('k', %s)", (n,))
+        if n == 0 and message.attempt == 1:
+            with contextlib.suppress(psycopg.errors.DivisionByZero):
+                await connection().execute("SELECT 1 / 0")
+
+    await stream.publish("k", {"n": 0})
+    await stream.publish("k", {"n": 1})
+    running.start(stream)
+    await until(lambda: stream.stats().handled == 2, "both handled")
+    assert attempts == [(0, 1), (0, 2), (1, 1)]
+    assert await applied(db) == [("k", 0), ("k", 1)]
+    assert await unacknowledged(db) == []
+    assert stream.stats().failed_attempts == 1
+
+
+async def test_a_handler_that_commits_itself_gives_the_partition_up(
+    streams: Streams, running: Running, db: AsyncConnectionPool[Any]
+) -> None:
+    stream = await streams(partitions=1)
+    attempts: list[tuple[int, int]] = []
+
+    @stream.consumer(retry_delay=0)
+    async def handle(message: StreamMessage) -> None:
+        n = int(message.fields["n"])
+        attempts.append((n, message.deliveries))
+        await connection().execute("INSERT INTO applied (key, n) VALUES ('k', %s)", (n,))
+        if n == 0 and message.deliveries == 1:
+            await connection().rollback()  # its write and the acknowledgement undone
+
+    await stream.publish("k", {"n": 0})
+    await stream.publish("k", {"n": 1})
+    running.start(stream)
+    await until(lambda: stream.stats().handled == 2, "both handled", seconds=20)
+    # Run again first, by the partition's next ownership, before the key's next message.
+    assert attempts == [(0, 1), (0, 2), (1, 1)]
+    assert await applied(db) == [("k", 0), ("k", 1)]

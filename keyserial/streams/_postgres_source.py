@@ -31,6 +31,7 @@ from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection, sql
+from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from .._keycodec import deserialize_key, serialize_key
@@ -112,6 +113,33 @@ def _caller(connection: object) -> AsyncConnection[Any]:
         )
     caller: AsyncConnection[Any] = connection  # pyright: ignore[reportUnknownVariableType]
     return caller
+
+
+def _check_still_open(conn: AsyncConnection[Any], entry: Entry) -> None:
+    """Refuse to commit a handler's transaction that the handler itself ended or broke.
+
+    A COMMIT of a failed transaction rolls back without an error, so a handler that caught
+    a statement's error and returned would otherwise count as done, its acknowledgement
+    silently undone and its key moving on.
+
+    Raises:
+        RuntimeError: the transaction failed (a statement raised, and the handler went
+            on): the attempt failed, nothing it wrote is kept.
+        AttemptFailed: the handler committed or rolled back the transaction itself: what
+            became of the message is not known here.
+    """
+    status = conn.info.transaction_status
+    if status == TransactionStatus.INERROR:
+        raise RuntimeError(
+            f"a statement of message {entry.id}'s handler failed and the handler went on: "
+            "its transaction is aborted, nothing it wrote is kept (let the error propagate, "
+            "or use a savepoint: async with connection().transaction())"
+        )
+    if status != TransactionStatus.INTRANS:
+        raise AttemptFailed(
+            f"the handler of message {entry.id} ended connection()'s transaction itself; "
+            "it must leave the commit to the stream"
+        )
 
 
 def _position(start: str) -> int:
@@ -345,6 +373,7 @@ class PostgresStreamSource(StreamSource):
                 yield row[1]
             finally:
                 stream_transaction.reset(bound)
+            _check_still_open(conn, entry)
             try:
                 await conn.commit()
             except psycopg.Error as exc:
