@@ -3,8 +3,9 @@
 The parent publishes messages for many keys (each key's messages numbered 0, 1, 2, ...),
 starts consumer processes, and injects one kind of fault while they work: consumers
 SIGKILLed mid-handler (a new one takes each one's place), a consumer SIGSTOPped well past
-its lease, every session of the consumers ended by ``pg_terminate_backend``, or the server
-stopped at once and started again. Each handler inserts one row (its effect) through
+its lease, every session of the consumers ended by ``pg_terminate_backend``, the server
+stopped at once and started again, or consumers whose pools have fewer connections than
+they have keys to run (one of them killed). Each handler inserts one row (its effect) through
 ``keyserial.postgres.connection()`` and then awaits a little, so that faults land while
 transactions are open. Once every effect is in, the consumers stop, and the parent checks:
 
@@ -47,15 +48,21 @@ APPLICATION = "ksfault-consumer"
 #: How long each handler awaits after its write, its transaction open.
 HANDLER_AWAIT = 0.03
 
-FAULTS = ("kill", "stop", "terminate", "restart")
+FAULTS = ("kill", "stop", "terminate", "restart", "small-pool")
+#: Connections in each consumer's pool: fewer than its keys in the small-pool fault.
+POOL = {"small-pool": 3}
 
 
 # -- the consumer process ---------------------------------------------------------------------
 
 
-async def consume(dsn: str, partitions: int, lease: float) -> None:
+async def consume(dsn: str, partitions: int, lease: float, pool_size: int) -> None:
     pool: AsyncConnectionPool[psycopg.AsyncConnection[object]] = AsyncConnectionPool(
-        dsn, min_size=2, max_size=24, kwargs={"application_name": APPLICATION}, open=False
+        dsn,
+        min_size=min(2, pool_size),
+        max_size=pool_size,
+        kwargs={"application_name": APPLICATION},
+        open=False,
     )
     await pool.open()
     stream = KeyedStream(pool, STREAM, partitions, lease=lease)
@@ -160,6 +167,8 @@ class FaultRun:
             str(self.partitions),
             "--lease",
             str(self.lease),
+            "--pool",
+            str(POOL.get(self.fault, 24)),
         ]
         process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True)
         assert process.stdout is not None
@@ -182,8 +191,8 @@ class FaultRun:
 
     def _inject(self, deadline: float) -> None:
         faults = self.report.faults
-        if self.fault == "kill":
-            for share in (0.1, 0.35, 0.6):
+        if self.fault in ("kill", "small-pool"):
+            for share in (0.1, 0.35, 0.6)[: 3 if self.fault == "kill" else 1]:
                 self._until_progress(share, deadline)
                 victim = self.processes.pop(self.rng.randrange(len(self.processes)))
                 victim.kill()
@@ -277,10 +286,11 @@ def main() -> int:
     parser.add_argument("--consumers", type=int, default=3)
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--lease", type=float, default=1.0)
+    parser.add_argument("--pool", type=int, default=24, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     if args.consume:
-        asyncio.run(consume(args.dsn, args.partitions, args.lease))
+        asyncio.run(consume(args.dsn, args.partitions, args.lease, args.pool))
         return 0
     if args.fault == "restart":
         parser.error("the restart fault runs in the test suite, on a private cluster")

@@ -69,3 +69,9 @@ def test_the_server_restarted(cluster: PrivateCluster) -> None:
     report = FaultRun(dsn, "restart", messages=MESSAGES, keys=KEYS, restart=restart).run()
     _assert_clean(report)
     assert report.faults["server restarted"] == 1
+
+
+def test_pools_smaller_than_the_keys_with_a_consumer_killed(postgres_dsn: str) -> None:
+    report = FaultRun(postgres_dsn, "small-pool", messages=MESSAGES, keys=KEYS).run()
+    _assert_clean(report)
+    assert report.faults["killed"] == 1
