@@ -187,13 +187,13 @@ CONSUME: dict[str, Consume] = dict(
 
 
 def backlog(messages: int) -> list[tuple[str, int]]:
-    """``(key, seq)`` of each message in publication order: keys drawn at random (the same
-    every run), each key's messages numbered from 0."""
-    rng = random.Random(1)
+    """``(key, seq)`` of each message in publication order: every key gets the same number
+    of messages, in an order shuffled the same way every run, each key's numbered from 0."""
+    keys = [n % KEYS for n in range(messages)]
+    random.Random(1).shuffle(keys)
     counts = [0] * KEYS
     found: list[tuple[str, int]] = []
-    for _ in range(messages):
-        key = rng.randrange(KEYS)
+    for key in keys:
         found.append((f"k{key}", counts[key]))
         counts[key] += 1
     return found
