@@ -82,7 +82,9 @@ class KeyedStream:
       stale owner's writes;
     * consumers share the partitions evenly, and a dead consumer's partitions are taken
       over within ``lease`` seconds;
-    * reading stops while ``max_in_flight`` messages are unfinished;
+    * reading stops while ``max_in_flight`` messages are unfinished, and resumes once
+      an eighth of them finished; each read takes at most an even share of
+      ``max_in_flight`` among the partitions this consumer owns;
     * on PostgreSQL, the handler's statements on ``keyserial.postgres.connection()``
       run in the transaction that acknowledges its message: they commit once per
       message, with the acknowledgement, and a stale owner can commit neither.
