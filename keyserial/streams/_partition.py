@@ -27,6 +27,8 @@ logger = logging.getLogger("keyserial.streams")
 
 #: Messages read (or claimed) per request to the broker, at most.
 READ_BATCH = 256
+#: The fewest messages a read may take when the room allows (see ``InFlight.share``).
+MIN_SHARE = 16
 #: How long an idle owner waits for new messages before it asks again.
 IDLE_WAIT = 1.0
 #: How often an owner asks the broker how many of its partition's messages are unread.
@@ -76,9 +78,12 @@ class InFlight:
 
     def share(self) -> int:
         """The most one read may take: an even share of ``limit`` among the partitions
-        reading. A partition with a backlog reads again while there is room, but one read
-        cannot take all of it while other partitions' keys wait for any."""
-        return max(1, -(-self.limit // max(1, self.readers)))
+        reading, but no fewer than ``MIN_SHARE`` (or ``limit``, if smaller), as a smaller
+        read would cost a request for too few messages. A partition with a backlog reads
+        again while there is room, but one read cannot take all of it while other
+        partitions' keys wait for any."""
+        even = -(-self.limit // max(1, self.readers))
+        return max(even, min(self.limit, MIN_SHARE))
 
     async def room(self) -> None:
         """Wait until at least ``low_water`` places are free."""
