@@ -536,3 +536,31 @@ async def test_a_read_takes_an_even_share_of_a_large_max_in_flight() -> None:
     assert in_flight.share() == 63
     in_flight.readers = 0  # no partition reading yet: one read may take it all
     assert in_flight.share() == 1000
+
+
+async def test_consumers_share_partitions_evenly_and_take_them_back_when_one_leaves(
+    streams: Streams, running: Running
+) -> None:
+    first, second = await streams(partitions=8), await streams(partitions=8)
+    handled: dict[KeyedStream, list[str]] = {first: [], second: []}
+    for stream in (first, second):
+
+        @stream.consumer(drain_timeout=5)
+        async def handle(message: StreamMessage, stream: KeyedStream = stream) -> None:
+            handled[stream].append(message.id)
+
+    running.start(first)
+    await until(lambda: len(first.stats().partitions) == 8, "first owns all", seconds=10)
+    running.start(second)
+    await until(
+        lambda: len(first.stats().partitions) == len(second.stats().partitions) == 4,
+        "four partitions each",
+        seconds=10,
+    )
+    assert set(first.stats().partitions) | set(second.stats().partitions) == set(range(8))
+    for n in range(40):
+        await first.publish(f"key-{n}", {"n": n})
+    await until(lambda: len(handled[first]) + len(handled[second]) == 40, "all handled")
+    assert handled[first] and handled[second]
+    second.stop()
+    await until(lambda: len(first.stats().partitions) == 8, "first owns all again", seconds=10)
