@@ -53,7 +53,7 @@ HANDLER_AWAIT = 0.03
 FAULTS = ("kill", "stop", "terminate", "restart", "small-pool")
 #: Connections in each consumer's pool: fewer than its keys in the small-pool fault. Kept
 #: small in every case: with a killed consumer's sessions not yet gone and its replacement
-#: started, three pools of 24 came near the server's max_connections.
+#: started, larger pools came near the shared server's max_connections.
 POOL = {"small-pool": 3}
 
 

@@ -54,7 +54,7 @@ class PartitionOwners:
         self._pool = pool
         self._name = name
         self._prepare = prepare
-        self.held: dict[int, _Ownership] = {}
+        self.held: dict[int, _Ownership] = {}  # written by hold() and let_go() only
         #: Per partition: set when a publication or a release may have happened since cleared.
         self.news = [asyncio.Event() for _ in range(partitions)]
         self._listeners = 0
@@ -70,6 +70,20 @@ class PartitionOwners:
         """Whether this process surely still owns ``partition`` with ``fence``."""
         ownership = self.held.get(partition)
         return ownership is not None and ownership.fence == fence and ownership.holds()
+
+    def forget_news(self, partition: int) -> None:
+        """Clear ``partition``'s news: a read or a takeover is about to look for itself, and
+        a notification from now on sets it again."""
+        self.news[partition].clear()
+
+    def hold(self, partition: int, ownership: _Ownership) -> None:
+        """Record ``ownership`` as this process's hold of ``partition``."""
+        self.held[partition] = ownership
+
+    def let_go(self, partition: int, ownership: _Ownership) -> None:
+        """Forget ``ownership`` of ``partition`` (if it is still the one recorded)."""
+        if self.held.get(partition) is ownership:
+            del self.held[partition]
 
     async def news_of(self, partition: int, timeout: float) -> None:
         """Return once ``partition`` has news, or after ``timeout`` seconds."""
@@ -227,7 +241,7 @@ class _Ownership:
         try:
             while True:
                 started = loop.time()
-                source.news[partition].clear()
+                source.forget_news(partition)
                 try:
                     fence = await source.take_over(partition, owner)
                 except ERRORS as exc:
@@ -242,7 +256,7 @@ class _Ownership:
         self.fence, self.until = fence, started + source.lease
         self._task, self._cancels_before = task, cancel_count(task)
         self._keeper = loop.create_task(self._keep())
-        source.held[partition] = self
+        source.hold(partition, self)
         return fence
 
     async def _keep(self) -> None:
@@ -281,8 +295,7 @@ class _Ownership:
         if keeper is not None:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
-        if source.held.get(partition) is self:
-            del source.held[partition]
+        source.let_go(partition, self)
         try:
             if not self.lost:
                 with contextlib.suppress(asyncio.TimeoutError, *ERRORS):

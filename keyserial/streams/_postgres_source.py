@@ -315,7 +315,7 @@ class PostgresStreamSource(StreamSource):
     async def read(
         self, partition: int, fence: int, consumer: str, count: int
     ) -> Sequence[Entry] | str:
-        self._owners.news[partition].clear()  # before the read: a publication sets it again
+        self._owners.forget_news(partition)  # before the read: a publication sets it again
         async with self._fenced(partition, fence) as conn:
             found = await conn.execute(
                 f"UPDATE {_MESSAGES} SET deliveries = 1 "
