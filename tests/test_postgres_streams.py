@@ -564,3 +564,22 @@ async def test_consumers_share_partitions_evenly_and_take_them_back_when_one_lea
     assert handled[first] and handled[second]
     second.stop()
     await until(lambda: len(first.stats().partitions) == 8, "first owns all again", seconds=10)
+
+
+async def test_a_stray_notification_on_the_channel_leaves_the_listener_running(
+    streams: Streams, running: Running, db: AsyncConnectionPool[Any]
+) -> None:
+    stream = await streams(partitions=1)
+    handled: list[str] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        handled.append(message.fields["n"])
+
+    running.start(stream)
+    await until(lambda: stream.stats().partitions == (0,), "the partition owned")
+    await rows(db, "SELECT pg_notify('keyserial_streams', 'not ours'), 1")
+    await rows(db, "SELECT pg_notify('keyserial_streams', 'p:x:s'), 1")
+    await stream.publish("k", {"n": 1})
+    # Woken by the publication's notification, not by the re-read of an idle owner.
+    await until(lambda: handled == ["1"], "the message handled", seconds=5)

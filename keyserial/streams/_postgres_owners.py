@@ -203,7 +203,12 @@ class PartitionOwners:
                 await asyncio.sleep(RECONNECT)
 
     def _noticed(self, payload: str) -> None:
-        _, partition, name = payload.split(":", 2)
+        """Take a notification ``<kind>:<partition>:<stream>`` to its partition's news.
+
+        Anything else on the channel (another program's) is ignored: it must not end the
+        listener."""
+        _, _, rest = payload.partition(":")
+        partition, _, name = rest.partition(":")
         if name == self._name and partition.isdigit() and int(partition) < len(self.news):
             self.news[int(partition)].set()
 
