@@ -320,6 +320,41 @@ async def test_reading_stops_while_max_in_flight_messages_are_unfinished(
     await until(lambda: stream.stats().in_flight == 0, "nothing left in flight")
 
 
+async def test_a_partition_whose_keys_are_stuck_reads_no_more_than_its_share_ahead(
+    streams: Streams, clients: Clients, running: Running
+) -> None:
+    # A partition whose handlers wait must not fill max_in_flight with messages they cannot
+    # start: another partition's keys would then wait for room their messages could use.
+    stream = streams(partitions=2)
+    stuck, flowing = (
+        next(f"k{n}" for n in range(100) if stream.partition_of(f"k{n}") == p) for p in (0, 1)
+    )
+    release = asyncio.Event()
+    handled: list[str] = []
+
+    @stream.consumer(max_in_flight=64)
+    async def handle(message: StreamMessage) -> None:
+        if message.fields["n"] != "warm-up" and message.key == stuck:
+            await release.wait()
+        handled.append(str(message.key))
+
+    for key in (stuck, flowing):  # both partitions reading: a share is half of 64
+        await stream.publish(key, {"n": "warm-up"})
+    running.start(stream)
+    await until(lambda: len(handled) == 2, "both partitions read")
+    for n in range(100):
+        await stream.publish(stuck, {"n": n})
+        await stream.publish(flowing, {"n": n})
+    try:
+        await until(lambda: handled.count(flowing) == 101, "the other partition's messages handled")
+        await asyncio.sleep(LEASE / 2)  # time for reads that must not happen
+        # At most its share, half of 64 (fewer if a read came while the backlog was published).
+        assert 1 <= len(await pending(clients(), stream, 0)) <= 32
+    finally:
+        release.set()
+    await until(lambda: len(handled) == 202, "all handled")
+
+
 async def test_stop_lets_running_handlers_finish_acknowledges_them_and_gives_everything_back(
     streams: Streams, clients: Clients, running: Running
 ) -> None:

@@ -46,7 +46,8 @@ class InFlight:
     reading at the same time could otherwise each see the same room and together read
     past the bound. Once the bound is reached, reading resumes when an eighth of it is
     free again (``low_water``), not at each message that finishes: a read per finished
-    message would cost a request to the broker per message.
+    message would cost a request to the broker per message. Each partition also keeps
+    to its share (``PartitionWorker._reserve``), so that the bound is rarely reached.
     """
 
     __slots__ = ("_room", "count", "limit", "low_water", "messages", "readers")
@@ -183,6 +184,8 @@ class PartitionWorker:
         self._turn = _named_after(handler, self._handle)
         self._turn_alone = _named_after(handler, self._handle_alone)
         self._wake = asyncio.Event()
+        #: Set while this partition's unfinished messages are at most half its window.
+        self._low = asyncio.Event()
         self._closing = False  # the worker is cancelling its handlers
         self._closed = asyncio.get_running_loop().create_future()  # set when it starts to
         self._lag_due = 0.0  # when stats().lag is next read from the broker
@@ -264,15 +267,31 @@ class PartitionWorker:
             await self._follow_lag()
 
     async def _reserve(self, stop: asyncio.Event) -> int:
-        """Reserve room to read messages into; 0 if told to stop while waiting for room."""
+        """Reserve room to read messages into; 0 if told to stop while waiting for room.
+
+        A partition keeps at most its window (its share of ``max_in_flight``) unfinished,
+        and reads again once half of that is left: its keys never run dry while another
+        partition's reads fill the consumer's bound, and a read takes at least half a
+        window's messages."""
         while True:
-            room = self.in_flight.reserve(min(READ_BATCH, self.in_flight.share()))
-            if room:
-                return room
-            await self._until_any(stop, self.in_flight.room(), LAG_INTERVAL)
+            window = self._window()
+            unfinished = len(self.tasks)
+            waiting: Awaitable[Any]
+            if unfinished <= window // 2:
+                room = self.in_flight.reserve(window - unfinished)
+                if room:
+                    return room
+                waiting = self.in_flight.room()
+            else:
+                self._low.clear()
+                waiting = self._low.wait()
+            await self._until_any(stop, waiting, LAG_INTERVAL)
             if stop.is_set() or self.failure is not None:
                 return 0
             await self._follow_lag()
+
+    def _window(self) -> int:
+        return min(READ_BATCH, self.in_flight.share())
 
     async def _until_any(
         self, stop: asyncio.Event, awaitable: Awaitable[Any], timeout: float | None = None
@@ -307,6 +326,8 @@ class PartitionWorker:
         self.tasks.discard(task)
         self.in_flight.messages -= 1
         self.in_flight.release()
+        if len(self.tasks) <= self._window() // 2:
+            self._low.set()
         if not task.cancelled() and task.exception() is not None:
             self._fail(task.exception())  # type: ignore[arg-type]
 

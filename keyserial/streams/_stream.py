@@ -83,8 +83,10 @@ class KeyedStream:
     * consumers share the partitions evenly, and a dead consumer's partitions are taken
       over within ``lease`` seconds;
     * reading stops while ``max_in_flight`` messages are unfinished, and resumes once
-      an eighth of them finished; each read takes at most an even share of
-      ``max_in_flight`` among the partitions this consumer owns;
+      an eighth of them finished; each partition keeps at most an even share of
+      ``max_in_flight`` (among the partitions this consumer owns) unfinished, and reads
+      again once half of that is left, so one partition whose keys are stuck cannot
+      take the room of the others;
     * on PostgreSQL, the handler's statements on ``keyserial.postgres.connection()``
       run in the transaction that acknowledges its message: they commit once per
       message, with the acknowledgement, and a stale owner can commit neither.
