@@ -37,8 +37,10 @@ Streams = Callable[..., Awaitable[KeyedStream]]
 async def streams(pools: Pools) -> AsyncIterator[Streams]:
     made: list[KeyedStream] = []
 
-    async def make(partitions: int = 4, lease: float = LEASE, name: str = "s") -> KeyedStream:
-        pool = await pools(max_size=20)
+    async def make(
+        partitions: int = 4, lease: float = LEASE, name: str = "s", pool_size: int = 20
+    ) -> KeyedStream:
+        pool = await pools(max_size=pool_size)
         made.append(KeyedStream(pool, name, partitions, lease=lease))
         return made[-1]
 
@@ -289,6 +291,33 @@ async def test_a_message_whose_commit_failed_runs_again_before_the_next_of_its_k
     assert log == [(0, 1), (0, 2), (1, 1)]
     assert await applied(db) == [("k", 0), ("k", 1)]
     assert stream.stats().ownerships_lost == 0  # the partition was served again, not lost
+
+
+async def test_reading_goes_on_while_the_handlers_hold_every_connection_of_the_pool(
+    streams: Streams, running: Running
+) -> None:
+    # A handler's transaction holds a pool connection; reads go on a connection of the
+    # stream's own, so the next messages are read meanwhile, ready when a connection is.
+    stream, producer = await streams(partitions=1, pool_size=1), await streams(partitions=1)
+    release = asyncio.Event()
+    started: list[str] = []
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        started.append(str(message.fields["n"]))
+        await release.wait()
+
+    await producer.publish("a", {"n": 0})
+    running.start(stream)
+    try:
+        await until(lambda: started == ["0"], "the handler holds the pool's only connection")
+        for n in range(1, 4):
+            await producer.publish("b", {"n": n})
+        await until(lambda: stream.stats().in_flight == 4, "read while the pool was held")
+    finally:
+        release.set()
+    await until(lambda: stream.stats().handled == 4, "all handled")
+    assert started == ["0", "1", "2", "3"]
 
 
 async def test_an_idle_consumer_reads_only_when_a_publication_is_notified(

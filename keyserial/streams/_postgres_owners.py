@@ -3,10 +3,10 @@
 A partition's row in ``keyserial_stream_partitions`` names its owner and lease. A takeover
 locks the row ``FOR UPDATE`` (waiting for the old owner's transactions, which hold it
 ``FOR KEY SHARE``), and only when its lease ran out raises the fence. An owner renews its
-lease on a connection of its own (the control connection), so that handlers holding every
-connection of the pool cannot starve it. A listening connection takes the ``NOTIFY`` of
-publications and releases to the partitions' news events, while anything is owned or
-waited for here.
+lease, and reads its messages, on a connection of its own (the control connection), so that
+handlers holding every connection of the pool cannot starve either. A listening
+connection takes the ``NOTIFY`` of publications and releases to the partitions' news
+events, while anything is owned or waited for here.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import psycopg
-from psycopg import AsyncConnection, sql
+from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from .._cancels import cancel_count, withdraw_cancel
@@ -131,39 +131,46 @@ class PartitionOwners:
         assert row is not None
         return int(row[0])
 
-    async def _controlled(self, statement: sql.SQL, args: tuple[Any, ...]) -> bool:
-        """Run a statement on the control connection (made again if lost); whether it
-        returned a row."""
+    async def on_control(self, statement: str, args: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """Run one statement on the control connection (made again if lost); its rows.
+
+        The control connection is in autocommit mode: each statement is a transaction of
+        its own. Renewals, reads and lag queries go there rather than to the pool, whose
+        connections the handlers' transactions hold: one per key being handled."""
         async with self._connecting:
             if self._control is None or self._control.closed:
                 self._control = await connect_beside(self._pool, autocommit=True)
             control = self._control
         try:
-            found = await control.execute(statement, args)
-            return await found.fetchone() is not None
+            found = await control.execute(statement, args)  # pyright: ignore[reportArgumentType]
+            return await found.fetchall()
         except psycopg.OperationalError:
             if control.broken:
                 self._control = None
             raise
 
     async def renew(self, partition: int, fence: int) -> bool:
-        return await self._controlled(
-            sql.SQL(
-                "UPDATE keyserial_stream_partitions "
-                "SET lease_until = clock_timestamp() + %s * interval '1 second' "
-                "WHERE stream = %s AND partition = %s AND fence = %s RETURNING 1"
-            ),
-            (self.lease, self._name, partition, fence),
+        renewed = await self.on_control(
+            "UPDATE keyserial_stream_partitions "
+            "SET lease_until = clock_timestamp() + %(lease)s * interval '1 second' "
+            "WHERE stream = %(stream)s AND partition = %(partition)s AND fence = %(fence)s "
+            "RETURNING 1",
+            {"lease": self.lease, "stream": self._name, "partition": partition, "fence": fence},
         )
+        return bool(renewed)
 
     async def release(self, partition: int, fence: int) -> None:
-        await self._controlled(
-            sql.SQL(
-                "WITH r AS (UPDATE keyserial_stream_partitions SET owner = NULL, "
-                "lease_until = '-infinity' WHERE stream = %s AND partition = %s AND fence = %s "
-                "RETURNING 1) SELECT pg_notify(%s, %s) FROM r"
-            ),
-            (self._name, partition, fence, CHANNEL, f"r:{partition}:{self._name}"),
+        await self.on_control(
+            "WITH r AS (UPDATE keyserial_stream_partitions SET owner = NULL, "
+            "lease_until = '-infinity' WHERE stream = %(stream)s AND partition = %(partition)s "
+            "AND fence = %(fence)s RETURNING 1) SELECT pg_notify(%(channel)s, %(payload)s) FROM r",
+            {
+                "stream": self._name,
+                "partition": partition,
+                "fence": fence,
+                "channel": CHANNEL,
+                "payload": f"r:{partition}:{self._name}",
+            },
         )
 
     def listening(self, change: int) -> asyncio.Task[None] | None:

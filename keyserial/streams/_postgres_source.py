@@ -17,7 +17,9 @@ runs nothing. A paused owner cannot hold the row for ever: its transactions set
 
 Consumers wake on ``NOTIFY``: a publication notifies its partition when it commits, and a
 released partition notifies the consumers waiting for it. An idle consumer holds one
-listening connection and sends the server only its lease and membership renewals.
+listening connection and sends the server only its lease and membership renewals. Reads
+and lease renewals go on a control connection of the owners' (``PartitionOwners``): the
+pool's connections are the handlers' transactions, one per key being handled.
 """
 
 from __future__ import annotations
@@ -78,6 +80,24 @@ _BEGIN_ATTEMPT = (
     "SELECT EXISTS (SELECT 1 FROM owner), EXISTS (SELECT 1 FROM gone)"
 )
 _COLUMNS = "id, key, names, vals, deliveries"
+#: Hands out messages of a partition for its owner in one statement (one transaction): the
+#: partition's row locked ``FOR KEY SHARE`` with the owner's fence, as ``_FENCE`` does, then
+#: the oldest matching messages' deliveries counted. Its rows: whether the fence held, then
+#: a message each (or one row of NULLs when none matched).
+_HAND_OUT = (
+    "WITH owner AS (SELECT 1 FROM keyserial_stream_partitions WHERE stream = %(stream)s "
+    "AND partition = %(partition)s AND fence = %(fence)s FOR KEY SHARE), "
+    f"handed AS (UPDATE {_MESSAGES} SET deliveries = {{deliveries}} "
+    "WHERE stream = %(stream)s AND partition = %(partition)s AND EXISTS (SELECT 1 FROM owner) "
+    f"AND id IN (SELECT id FROM {_MESSAGES} WHERE stream = %(stream)s "
+    "AND partition = %(partition)s AND {matching} ORDER BY id LIMIT %(count)s) "
+    f"RETURNING {_COLUMNS}) "
+    "SELECT EXISTS (SELECT 1 FROM owner), handed.* FROM (SELECT) AS one LEFT JOIN handed ON true"
+)
+#: Messages never handed out, the oldest first.
+_READ = _HAND_OUT.format(deliveries="1", matching="deliveries = 0")
+#: Messages handed out before (to this or an earlier owner) after the ``after`` position.
+_CLAIM = _HAND_OUT.format(deliveries="deliveries + 1", matching="deliveries > 0 AND id > %(after)s")
 
 
 def _as_bytes(value: Value) -> bytes:
@@ -260,14 +280,12 @@ class PostgresStreamSource(StreamSource):
         return self._owners.holds(partition, fence)
 
     async def lag(self, partition: int) -> int:
-        async with self._pool.connection() as conn:
-            found = await conn.execute(
-                f"SELECT count(*) FROM {_MESSAGES} "
-                "WHERE stream = %s AND partition = %s AND deliveries = 0",
-                (self._name, partition),
-            )
-            row = await found.fetchone()
-        return int(row[0]) if row is not None else 0
+        rows = await self._owners.on_control(
+            f"SELECT count(*) FROM {_MESSAGES} "
+            "WHERE stream = %(stream)s AND partition = %(partition)s AND deliveries = 0",
+            {"stream": self._name, "partition": partition},
+        )
+        return int(rows[0][0]) if rows else 0
 
     @asynccontextmanager
     async def _fenced(
@@ -284,16 +302,7 @@ class PostgresStreamSource(StreamSource):
     async def claim(
         self, partition: int, fence: int, consumer: str, start: str, count: int
     ) -> tuple[str, Sequence[Entry]]:
-        async with self._fenced(partition, fence) as conn:
-            found = await conn.execute(
-                f"UPDATE {_MESSAGES} SET deliveries = deliveries + 1 "
-                "WHERE stream = %s AND partition = %s AND id IN (SELECT id FROM "
-                f"{_MESSAGES} WHERE stream = %s AND partition = %s AND deliveries > 0 "
-                f"AND id > %s ORDER BY id LIMIT %s) RETURNING {_COLUMNS}",
-                (self._name, partition, self._name, partition, _position(start), count),
-            )
-            rows = sorted(await found.fetchall())
-        entries = [_entry_of(row) for row in rows]
+        entries = await self._hand_out(partition, fence, count, _CLAIM, {"after": _position(start)})
         return (entries[-1].id if len(entries) == count else "0-0"), entries
 
     async def set_deliveries(
@@ -316,16 +325,27 @@ class PostgresStreamSource(StreamSource):
         self, partition: int, fence: int, consumer: str, count: int
     ) -> Sequence[Entry] | str:
         self._owners.forget_news(partition)  # before the read: a publication sets it again
-        async with self._fenced(partition, fence) as conn:
-            found = await conn.execute(
-                f"UPDATE {_MESSAGES} SET deliveries = 1 "
-                "WHERE stream = %s AND partition = %s AND id IN (SELECT id FROM "
-                f"{_MESSAGES} WHERE stream = %s AND partition = %s AND deliveries = 0 "
-                f"ORDER BY id LIMIT %s) RETURNING {_COLUMNS}",
-                (self._name, partition, self._name, partition, count),
-            )
-            rows = sorted(await found.fetchall())
-        return [_entry_of(row) for row in rows] if rows else ""
+        return await self._hand_out(partition, fence, count, _READ, {}) or ""
+
+    async def _hand_out(
+        self, partition: int, fence: int, count: int, statement: str, args: dict[str, Any]
+    ) -> list[Entry]:
+        """Hand out up to ``count`` messages by ``statement`` (``_READ`` or ``_CLAIM``), in
+        one fenced statement on the control connection: the handlers' transactions hold
+        the pool's connections, and a read must not wait for one of them to end.
+
+        Raises:
+            PartitionLost: another owner has the partition now.
+        """
+        rows = await self._owners.on_control(
+            statement,
+            {"stream": self._name, "partition": partition, "fence": fence, "count": count, **args},
+        )
+        if not rows or not rows[0][0]:
+            raise PartitionLost(f"partition {partition} has another owner now")
+        return sorted(
+            (_entry_of(row[1:]) for row in rows if row[1] is not None), key=lambda e: int(e.id)
+        )
 
     async def wait(self, partition: int, after: str, timeout: float) -> None:
         # Every publication is notified, and the listener raises every partition's news
