@@ -222,8 +222,10 @@ async def test_a_stale_owners_transaction_holds_off_the_takeover_and_later_ones_
     new = PostgresStreamSource(await pools(), "s", 1, 0.5)
     first_id = await stale.publish("k", {"n": 0})
     second_id = await stale.publish("k", {"n": 1})
-    fence = await stale._owners.take_over(0, "stale")  # pyright: ignore[reportPrivateUsage]
-    assert fence is not None
+    taken = await stale._owners.take_over(0, "stale")  # pyright: ignore[reportPrivateUsage]
+    assert taken is not None
+    fence, handed_out = taken
+    assert not handed_out  # nothing was read before: its claim would find nothing
     [first, second] = await read_entries(stale, fence)
     assert (first.id, second.id) == (first_id, second_id)
     async with stale._pool.connection() as conn:  # pyright: ignore[reportPrivateUsage]
@@ -234,8 +236,11 @@ async def test_a_stale_owners_transaction_holds_off_the_takeover_and_later_ones_
         # While the stale owner's transaction runs, no one takes the partition over.
         assert await new._owners.take_over(0, "new") is None  # pyright: ignore[reportPrivateUsage]
     # It committed before the takeover, which now happens and finds the first message gone.
-    new_fence = await new._owners.take_over(0, "new")  # pyright: ignore[reportPrivateUsage]
-    assert new_fence is not None and new_fence == fence + 1
+    taken = await new._owners.take_over(0, "new")  # pyright: ignore[reportPrivateUsage]
+    assert taken is not None
+    new_fence, handed_out = taken
+    assert handed_out  # the stale owner read the second message: the claim must look
+    assert new_fence == fence + 1
     _, claimed = await new.claim(0, new_fence, "new", "0-0", 10)
     assert [entry.id for entry in claimed] == [second_id]
     # Whatever the stale owner tries next is refused inside its transaction.
@@ -255,8 +260,9 @@ async def test_an_attempt_for_a_message_whose_commit_did_land_runs_nothing(
 ) -> None:
     source = PostgresStreamSource(await pools(), "s", 1, 0.5)
     await source.publish("k", {"n": 0})
-    fence = await source._owners.take_over(0, "owner")  # pyright: ignore[reportPrivateUsage]
-    assert fence is not None
+    taken = await source._owners.take_over(0, "owner")  # pyright: ignore[reportPrivateUsage]
+    assert taken is not None
+    fence = taken[0]
     [entry] = await read_entries(source, fence)
     async with source.attempt(0, fence, entry) as needed:
         assert needed
@@ -448,8 +454,9 @@ async def test_a_new_owner_first_runs_the_previous_owners_unacknowledged_message
         await stream.publish("k", {"n": n})
     # An earlier owner read the first two and died before acknowledging them.
     dead = PostgresStreamSource(await pools(), "s", 1, 0.3)
-    fence = await dead._owners.take_over(0, "dead")  # pyright: ignore[reportPrivateUsage]
-    assert fence is not None
+    taken = await dead._owners.take_over(0, "dead")  # pyright: ignore[reportPrivateUsage]
+    assert taken is not None
+    fence = taken[0]
     got = await dead.read(0, fence, "dead", 2)
     assert [entry.id for entry in got if isinstance(entry, Entry)] != []
     await stream.publish("k", {"n": 3})
@@ -477,8 +484,9 @@ async def test_a_message_handed_out_more_than_max_deliveries_times_is_dead_lette
     await stream.publish("k", {"n": 1})
     # Owners kept dying while it ran: it was handed out three times already.
     dead = PostgresStreamSource(await pools(), "s", 1, 0.3)
-    fence = await dead._owners.take_over(0, "dead")  # pyright: ignore[reportPrivateUsage]
-    assert fence is not None
+    taken = await dead._owners.take_over(0, "dead")  # pyright: ignore[reportPrivateUsage]
+    assert taken is not None
+    fence = taken[0]
     await dead.read(0, fence, "dead", 1)
     await rows(
         db, "UPDATE keyserial_stream_messages SET deliveries = 3 WHERE id = %s RETURNING id", poison
@@ -562,7 +570,10 @@ async def test_reading_resumes_once_an_eighth_of_max_in_flight_is_free() -> None
 async def test_a_read_takes_an_even_share_of_a_large_max_in_flight() -> None:
     in_flight = partition_module.InFlight(1000)
     in_flight.readers = 16
-    assert in_flight.share() == 63
+    assert in_flight.share() == 62  # sixteen of them fit 1000
+    # Each partition gets its whole share at once, the last too, though less than an
+    # eighth of the bound is free by then: a whole share is worth a request.
+    assert [in_flight.reserve(62) for _ in range(16)] == [62] * 16
     in_flight.readers = 0  # no partition reading yet: one read may take it all
     assert in_flight.share() == 1000
 

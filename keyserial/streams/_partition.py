@@ -57,15 +57,17 @@ class InFlight:
         self.low_water = max(1, limit // 8)
         self.count = 0  # reserved: messages in flight, and room held for reads still out
         self.messages = 0  # messages read and not finished
-        self.readers = 0  # the partitions reading into it
+        #: The partitions assigned to the consumer, owned or waited for: written by
+        #: ``KeyedStream`` as it starts and ends serving one.
+        self.readers = 0
         self._room = asyncio.Event()
         self._room.set()
 
     def reserve(self, most: int) -> int:
-        """Reserve room for up to ``most`` messages now; how many (0 while less than
-        ``low_water`` is free)."""
+        """Reserve room for up to ``most`` messages now; how many. All of them if they fit,
+        else what is free, but nothing while less than ``low_water`` is."""
         free = self.limit - self.count
-        n = max(0, min(most, free)) if free >= self.low_water else 0
+        n = max(0, min(most, free)) if free >= min(most, self.low_water) else 0
         self.count += n
         if self.limit - self.count < self.low_water:
             self._room.clear()
@@ -78,12 +80,12 @@ class InFlight:
             self._room.set()
 
     def share(self) -> int:
-        """The most one read may take: an even share of ``limit`` among the partitions
-        reading, but no fewer than ``MIN_SHARE`` (or ``limit``, if smaller), as a smaller
-        read would cost a request for too few messages. A partition with a backlog reads
-        again while there is room, but one read cannot take all of it while other
-        partitions' keys wait for any."""
-        even = -(-self.limit // max(1, self.readers))
+        """The most one partition may hold unfinished: an even share of ``limit`` among
+        the partitions assigned, but no fewer than ``MIN_SHARE`` (or ``limit``, if
+        smaller), as a smaller read would cost a request for too few messages. Counted
+        over the partitions assigned, not only those owned yet, so that the first owned
+        ones do not take the room of those whose takeover comes a moment later."""
+        even = self.limit // max(1, self.readers)  # rounded down: the shares fit the bound
         return max(even, min(self.limit, MIN_SHARE))
 
     async def room(self) -> None:
@@ -196,14 +198,12 @@ class PartitionWorker:
         Raises ``PartitionLost`` (or the broker's error) when the partition can no longer
         be served; its handlers are cancelled then, unacknowledged.
         """
-        self.in_flight.readers += 1
         try:
             await self._take_over(stop)
             await self._read(stop)
             if self.failure is None:
                 await self._drain(drain_timeout)
         finally:
-            self.in_flight.readers -= 1
             await self._cancel_handlers()
         if self.failure is not None:
             raise self.failure

@@ -71,6 +71,12 @@ class PartitionOwners:
         ownership = self.held.get(partition)
         return ownership is not None and ownership.fence == fence and ownership.holds()
 
+    def nothing_to_claim(self, partition: int, fence: int) -> bool:
+        """Whether this process's ownership of ``partition`` with ``fence`` found no message
+        handed out before it: a claim (which comes before its first read) would find none."""
+        ownership = self.held.get(partition)
+        return ownership is not None and ownership.fence == fence and not ownership.handed_out
+
     def forget_news(self, partition: int) -> None:
         """Clear ``partition``'s news: a read or a takeover is about to look for itself, and
         a notification from now on sets it again."""
@@ -100,8 +106,9 @@ class PartitionOwners:
         if control is not None:
             await control.close()
 
-    async def take_over(self, partition: int, owner: str) -> int | None:
-        """Take ``partition`` if it has no live owner; its new fence, or None."""
+    async def take_over(self, partition: int, owner: str) -> tuple[int, bool] | None:
+        """Take ``partition`` if it has no live owner: its new fence, and whether any of its
+        messages was handed out before (a claim has something to find); or None."""
         await self._prepare()
         async with self._pool.connection() as conn:
             try:
@@ -122,14 +129,16 @@ class PartitionOwners:
                     found = await conn.execute(
                         "UPDATE keyserial_stream_partitions SET fence = fence + 1, owner = %s, "
                         "lease_until = clock_timestamp() + %s * interval '1 second' "
-                        "WHERE stream = %s AND partition = %s RETURNING fence",
-                        (owner, self.lease, self._name, partition),
+                        "WHERE stream = %s AND partition = %s RETURNING fence, EXISTS ("
+                        "SELECT 1 FROM keyserial_stream_messages WHERE stream = %s "
+                        "AND partition = %s AND deliveries > 0)",
+                        (owner, self.lease, self._name, partition, self._name, partition),
                     )
                     row = await found.fetchone()
             except psycopg.errors.LockNotAvailable:
                 return None  # a transaction of the old owner still runs: later
         assert row is not None
-        return int(row[0])
+        return int(row[0]), bool(row[1])
 
     async def on_control(self, statement: str, args: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """Run one statement on the control connection (made again if lost); its rows.
@@ -233,6 +242,8 @@ class _Ownership:
         self._source = source
         self._partition = partition
         self.fence: int | None = None
+        #: Whether any message of the partition had been handed out when it was taken.
+        self.handed_out = True
         self.until = 0.0
         self.lost = False
         self.ending = False  # the block is being left: the keeper stops
@@ -255,16 +266,17 @@ class _Ownership:
                 started = loop.time()
                 source.forget_news(partition)
                 try:
-                    fence = await source.take_over(partition, owner)
+                    taken = await source.take_over(partition, owner)
                 except ERRORS as exc:
                     logger.debug("partition %d: takeover failed (%r)", partition, exc)
-                    fence = None
-                if fence is not None:
+                    taken = None
+                if taken is not None:
                     break
                 await source.news_of(partition, source.lease / 5)
         except BaseException:
             await source.stop_listening()
             raise
+        fence, self.handed_out = taken
         self.fence, self.until = fence, started + source.lease
         self._task, self._cancels_before = task, cancel_count(task)
         self._keeper = loop.create_task(self._keep())

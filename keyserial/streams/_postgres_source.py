@@ -302,6 +302,8 @@ class PostgresStreamSource(StreamSource):
     async def claim(
         self, partition: int, fence: int, consumer: str, start: str, count: int
     ) -> tuple[str, Sequence[Entry]]:
+        if self._owners.nothing_to_claim(partition, fence):
+            return "0-0", []
         entries = await self._hand_out(partition, fence, count, _CLAIM, {"after": _position(start)})
         return (entries[-1].id if len(entries) == count else "0-0"), entries
 

@@ -373,6 +373,15 @@ class KeyedStream:
         self, partition: int, slot: _Slot, handler: Handler, queue: KeyedSerialQueue
     ) -> None:
         """Wait for the partition, serve it; after a lost lease or a broker error, again."""
+        self._in_flight.readers += 1
+        try:
+            await self._serve_while_assigned(partition, slot, handler, queue)
+        finally:
+            self._in_flight.readers -= 1
+
+    async def _serve_while_assigned(
+        self, partition: int, slot: _Slot, handler: Handler, queue: KeyedSerialQueue
+    ) -> None:
         while not slot.stop.is_set():
             try:
                 async with self._source.own(partition) as fence:
