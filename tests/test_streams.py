@@ -355,6 +355,35 @@ async def test_a_partition_whose_keys_are_stuck_reads_no_more_than_its_share_ahe
     await until(lambda: len(handled) == 202, "all handled")
 
 
+async def test_a_share_counts_the_partitions_assigned_but_not_yet_owned(
+    streams: Streams, clients: Clients, running: Running
+) -> None:
+    # Both partitions are this consumer's, but another owner still holds partition 1: the
+    # partition owned meanwhile reads no more than its share, half of 64, so that there is
+    # room for partition 1's keys once it is taken.
+    stream, elsewhere = streams(partitions=2), streams(partitions=2)
+    stuck = next(f"k{n}" for n in range(100) if stream.partition_of(f"k{n}") == 0)
+    release = asyncio.Event()
+    handled: list[str] = []
+
+    @stream.consumer(max_in_flight=64)
+    async def handle(message: StreamMessage) -> None:
+        await release.wait()
+        handled.append(str(message.fields["n"]))
+
+    for n in range(100):
+        await stream.publish(stuck, {"n": n})
+    async with elsewhere.source.own(1):
+        running.start(stream)
+        try:
+            await until(lambda: stream.stats().in_flight > 0, "partition 0 read")
+            await asyncio.sleep(LEASE / 2)  # time for reads that must not happen
+            assert len(await pending(clients(), stream, 0)) == 32
+        finally:
+            release.set()
+    await until(lambda: len(handled) == 100, "all handled")
+
+
 async def test_stop_lets_running_handlers_finish_acknowledges_them_and_gives_everything_back(
     streams: Streams, clients: Clients, running: Running
 ) -> None:
