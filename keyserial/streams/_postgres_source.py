@@ -80,24 +80,30 @@ _BEGIN_ATTEMPT = (
     "SELECT EXISTS (SELECT 1 FROM owner), EXISTS (SELECT 1 FROM gone)"
 )
 _COLUMNS = "id, key, names, vals, deliveries"
-#: Hands out messages of a partition for its owner in one statement (one transaction): the
-#: partition's row locked ``FOR KEY SHARE`` with the owner's fence, as ``_FENCE`` does, then
-#: the oldest matching messages' deliveries counted. Its rows: whether the fence held, then
-#: a message each (or one row of NULLs when none matched).
-_HAND_OUT = (
-    "WITH owner AS (SELECT 1 FROM keyserial_stream_partitions WHERE stream = %(stream)s "
-    "AND partition = %(partition)s AND fence = %(fence)s FOR KEY SHARE), "
-    f"handed AS (UPDATE {_MESSAGES} SET deliveries = {{deliveries}} "
-    "WHERE stream = %(stream)s AND partition = %(partition)s AND EXISTS (SELECT 1 FROM owner) "
-    f"AND id IN (SELECT id FROM {_MESSAGES} WHERE stream = %(stream)s "
-    "AND partition = %(partition)s AND {matching} ORDER BY id LIMIT %(count)s) "
-    f"RETURNING {_COLUMNS}) "
-    "SELECT EXISTS (SELECT 1 FROM owner), handed.* FROM (SELECT) AS one LEFT JOIN handed ON true"
-)
+
+
+def _hand_out_sql(counted: str, matching: str) -> str:
+    """A statement that hands out messages of a partition to its owner, in one transaction:
+    the partition's row locked ``FOR KEY SHARE`` with the owner's fence, as ``_FENCE`` does,
+    then the oldest ``matching`` messages' deliveries set to ``counted``. Its rows: whether
+    the fence held, then a message each (one row of NULLs when none matched)."""
+    return (
+        "WITH owner AS (SELECT 1 FROM keyserial_stream_partitions WHERE stream = %(stream)s "
+        "AND partition = %(partition)s AND fence = %(fence)s FOR KEY SHARE), "
+        f"handed AS (UPDATE {_MESSAGES} SET deliveries = {counted} "
+        "WHERE stream = %(stream)s AND partition = %(partition)s "
+        f"AND EXISTS (SELECT 1 FROM owner) AND id IN (SELECT id FROM {_MESSAGES} "
+        f"WHERE stream = %(stream)s AND partition = %(partition)s AND {matching} "
+        f"ORDER BY id LIMIT %(count)s) RETURNING {_COLUMNS}) "
+        "SELECT EXISTS (SELECT 1 FROM owner), handed.* "
+        "FROM (SELECT) AS one LEFT JOIN handed ON true"
+    )
+
+
 #: Messages never handed out, the oldest first.
-_READ = _HAND_OUT.format(deliveries="1", matching="deliveries = 0")
+_READ = _hand_out_sql("1", "deliveries = 0")
 #: Messages handed out before (to this or an earlier owner) after the ``after`` position.
-_CLAIM = _HAND_OUT.format(deliveries="deliveries + 1", matching="deliveries > 0 AND id > %(after)s")
+_CLAIM = _hand_out_sql("deliveries + 1", "deliveries > 0 AND id > %(after)s")
 
 
 def _as_bytes(value: Value) -> bytes:
