@@ -21,6 +21,9 @@ from . import fault_load
 pytestmark = [pytest.mark.fault_suite, pytest.mark.xdist_group("postgres-connections")]
 
 MODES = pytest.mark.parametrize("fair", [False, True], ids=["default", "fair"])
+#: Seconds the terminated-connections fault lasts past its backends' exit (a fifth of a
+#: lease): for a worker to read a last answer such a backend sent (see that case).
+LAST_ANSWERS = fault_load.LEASE / 5
 
 
 def _run(
@@ -63,10 +66,15 @@ def test_terminated_connections(postgres_dsn: str, tmp_path: Path, fair: bool) -
     def terminate(_: fault_load.Workers) -> int:
         began = time.monotonic_ns()
         with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+            # Each call returns once its backend has exited (or after 5 s): a backend told to
+            # end while it runs a statement may still answer it on its way out.
             admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
                 " WHERE datname = current_database() AND pid <> pg_backend_pid()"
             )
+        # The fault lasts until its workers have read such last answers: a turn begun on one
+        # starts its function a moment after the backend is gone, and its commit is in doubt.
+        time.sleep(LAST_ANSWERS)
         return began
 
     _run(postgres_dsn, tmp_path, fair, terminate)
