@@ -24,6 +24,7 @@ from keyserial.streams._postgres_source import PostgresStreamSource
 
 from .conftest import Pools
 from .redis_helpers import until
+from .stream_behaviour import consumers_share_partitions_and_take_them_back
 
 pytestmark = pytest.mark.asyncio
 
@@ -582,28 +583,9 @@ async def test_consumers_share_partitions_evenly_and_take_them_back_when_one_lea
     streams: Streams, running: Running
 ) -> None:
     first, second = await streams(partitions=8), await streams(partitions=8)
-    handled: dict[KeyedStream, list[str]] = {first: [], second: []}
-    for stream in (first, second):
-
-        @stream.consumer(drain_timeout=5)
-        async def handle(message: StreamMessage, stream: KeyedStream = stream) -> None:
-            handled[stream].append(message.id)
-
-    running.start(first)
-    await until(lambda: len(first.stats().partitions) == 8, "first owns all", seconds=10)
-    running.start(second)
-    await until(
-        lambda: len(first.stats().partitions) == len(second.stats().partitions) == 4,
-        "four partitions each",
-        seconds=10,
+    await consumers_share_partitions_and_take_them_back(
+        first, second, start=running.start, stop=lambda stream: stream.stop()
     )
-    assert set(first.stats().partitions) | set(second.stats().partitions) == set(range(8))
-    for n in range(40):
-        await first.publish(f"key-{n}", {"n": n})
-    await until(lambda: len(handled[first]) + len(handled[second]) == 40, "all handled")
-    assert handled[first] and handled[second]
-    second.stop()
-    await until(lambda: len(first.stats().partitions) == 8, "first owns all again", seconds=10)
 
 
 async def test_a_stray_notification_on_the_channel_leaves_the_listener_running(

@@ -16,6 +16,7 @@ from keyserial.redis._transport import text
 from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage, acl_rules
 
 from .redis_helpers import Clients, one_node_cluster, until
+from .stream_behaviour import consumers_share_partitions_and_take_them_back
 
 pytestmark = pytest.mark.asyncio
 
@@ -419,28 +420,9 @@ async def test_consumers_share_partitions_evenly_and_take_them_back_when_one_lea
     streams: Streams, running: Running
 ) -> None:
     first, second = streams(partitions=8), streams(partitions=8)
-    handled: dict[KeyedStream, list[str]] = {first: [], second: []}
-    for stream in (first, second):
-
-        @stream.consumer(drain_timeout=5)
-        async def handle(message: StreamMessage, stream: KeyedStream = stream) -> None:
-            handled[stream].append(message.id)
-
-    running.start(first)
-    await until(lambda: len(first.stats().partitions) == 8, "first owns all", seconds=10)
-    running.start(second)
-    await until(
-        lambda: len(first.stats().partitions) == len(second.stats().partitions) == 4,
-        "four partitions each",
-        seconds=10,
+    await consumers_share_partitions_and_take_them_back(
+        first, second, start=running.start, stop=running.stop
     )
-    assert set(first.stats().partitions) | set(second.stats().partitions) == set(range(8))
-    for n in range(40):
-        await first.publish(f"key-{n}", {"n": n})
-    await until(lambda: len(handled[first]) + len(handled[second]) == 40, "all handled")
-    assert handled[first] and handled[second]
-    await running.stop(second)
-    await until(lambda: len(first.stats().partitions) == 8, "first owns all again", seconds=10)
 
 
 async def test_keys_keep_their_type_and_fields_arrive_as_text(
