@@ -427,7 +427,8 @@ async def test_leaving_an_ownership_ends_its_keeper_when_a_renewal_ends_with_the
     # Before Python 3.12, asyncio.wait_for returns the result of a request that completes
     # in the same step as its task is cancelled, and the cancellation is lost: a keeper
     # that relied on it alone renewed the lease for ever, and leaving the block hung.
-    source = PostgresStreamSource(await pools(), "s", 1, 0.3)
+    # A lease long enough that a loaded machine does not let it run out before the block ends.
+    source = PostgresStreamSource(await pools(), "s", 1, 3.0)
     owners = source._owners  # pyright: ignore[reportPrivateUsage]
     renewing, answer = asyncio.Event(), asyncio.Event()
 
