@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -21,7 +20,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from .processes import run_until_done
 
 PROCESSES = 4
 CALLS = 40
@@ -74,24 +73,10 @@ def run_workers(worker: list[str], log: Path, seed: int) -> list[tuple[int, int,
     them, and return ``(call, made, started, ended)`` for every call, in call order."""
     owners = ",".join(map(str, schedule(seed)))
     start = time.monotonic_ns() + 3_000_000_000  # after every process has started
-    workers = [
-        subprocess.Popen(
-            [*worker, str(log), owners, str(index), str(start), str(SPACING), str(TURN)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+    run_until_done(
+        [*worker, str(log), owners, str(index), str(start), str(SPACING), str(TURN)]
         for index in range(PROCESSES)
-    ]
-    try:
-        for process in workers:
-            out, _ = process.communicate(timeout=120)
-            assert process.returncode == 0 and out.strip() == "done", out
-    finally:
-        for process in workers:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    )
     records = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
     return sorted((r[0], r[1], r[2], r[3]) for r in records)
 

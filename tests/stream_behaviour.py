@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 from keyserial.streams import KeyedStream, StreamMessage
@@ -39,3 +40,33 @@ async def consumers_share_partitions_and_take_them_back(
     assert handled[first] and handled[second]
     await stop(second)
     await until(lambda: len(first.stats().partitions) == 8, "first owns all again", seconds=10)
+
+
+async def same_key_in_order_different_keys_concurrently(
+    stream: KeyedStream, start: Callable[[KeyedStream], None]
+) -> None:
+    """Key a's three messages run one at a time, in publish order, while key b's message
+    runs to its end as a's first is held."""
+    log: list[tuple[str, str, int]] = []
+    a_may_finish = asyncio.Event()
+
+    @stream.consumer()
+    async def handle(message: StreamMessage) -> None:
+        n = int(message.fields["n"])
+        log.append(("start", str(message.key), n))
+        if message.key == "a" and n == 0:
+            await a_may_finish.wait()
+        log.append(("end", str(message.key), n))
+
+    for n in range(3):
+        await stream.publish("a", {"n": n})
+    await stream.publish("b", {"n": 0})
+    start(stream)
+    await until(lambda: ("start", "a", 0) in log, "a's first message started")
+    await until(lambda: ("end", "b", 0) in log, "b handled while a is held")
+    assert [entry for entry in log if entry[1] == "a"] == [("start", "a", 0)]
+    a_may_finish.set()
+    await until(lambda: ("end", "a", 2) in log, "all of a handled")
+    assert [entry for entry in log if entry[1] == "a"] == [
+        (edge, "a", n) for n in range(3) for edge in ("start", "end")
+    ]

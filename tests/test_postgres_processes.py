@@ -20,6 +20,7 @@ from keyserial.postgres import CommitInDoubt, PostgresKeyedQueue, PostgresUnavai
 from . import fair_order
 from .postgres_server import PrivateCluster
 from .postgres_worker import MODULUS, create_schema
+from .processes import run_until_done
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,24 +31,7 @@ def test_four_processes_twenty_keys_no_overlap_fifo_exactly_once(postgres_dsn: s
     create_schema(postgres_dsn)
     processes, calls, keys = 4, 120, 20
     command = [sys.executable, "-m", "tests.postgres_worker", postgres_dsn, "log"]
-    workers = [
-        subprocess.Popen(
-            [*command, str(seed), str(calls), str(keys)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for seed in range(processes)
-    ]
-    try:
-        for worker in workers:
-            out, _ = worker.communicate(timeout=120)
-            assert worker.returncode == 0 and out.strip() == "done"
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
+    run_until_done([*command, str(seed), str(calls), str(keys)] for seed in range(processes))
     with psycopg.connect(postgres_dsn) as conn:
         history = conn.execute(
             "SELECT key, seq, pid, call, fence, started, ended FROM history ORDER BY key, seq"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 from itertools import pairwise
@@ -16,9 +15,8 @@ from keyserial.redis import _scripts as _redis_scripts
 from keyserial.redis._transport import LuaScript
 
 from . import fair_order
+from .processes import run_until_done
 from .redis_server import RedisServer
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.usefixtures("redis_mode")
@@ -29,24 +27,9 @@ def test_four_processes_twenty_keys_no_overlap_fifo_exactly_once(
     processes, calls, keys = 4, 150, 20
     arrivals = Arrivals(redis_server.url)
     command = [sys.executable, "-m", "tests.redis_worker", redis_server.url, "log", str(log)]
-    workers = [
-        subprocess.Popen(
-            [*command, str(seed), str(calls), str(keys)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for seed in range(processes)
-    ]
     try:
-        for worker in workers:
-            out, _ = worker.communicate(timeout=120)
-            assert worker.returncode == 0 and out.strip() == "done"
+        run_until_done([*command, str(seed), str(calls), str(keys)] for seed in range(processes))
     finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
         arrivals.stop()
     records = [line.split() for line in log.read_text().splitlines()]
     # Every call ran exactly once.

@@ -16,7 +16,10 @@ from keyserial.redis._transport import text
 from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage, acl_rules
 
 from .redis_helpers import Clients, one_node_cluster, until
-from .stream_behaviour import consumers_share_partitions_and_take_them_back
+from .stream_behaviour import (
+    consumers_share_partitions_and_take_them_back,
+    same_key_in_order_different_keys_concurrently,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -97,31 +100,7 @@ def redis_names(stream: KeyedStream) -> RedisStreamSource:
 async def test_same_key_in_stream_order_different_keys_concurrently(
     streams: Streams, running: Running
 ) -> None:
-    stream = streams()
-    log: list[tuple[str, str, int]] = []
-    a_may_finish = asyncio.Event()
-
-    @stream.consumer()
-    async def handle(message: StreamMessage) -> None:
-        n = int(message.fields["n"])
-        log.append(("start", str(message.key), n))
-        if message.key == "a" and n == 0:
-            await a_may_finish.wait()
-        log.append(("end", str(message.key), n))
-
-    for n in range(3):
-        await stream.publish("a", {"n": n})
-    await stream.publish("b", {"n": 0})
-    running.start(stream)
-    # b runs to its end while a's first message is held; a's later messages wait for it.
-    await until(lambda: ("start", "a", 0) in log, "a's first message started")
-    await until(lambda: ("end", "b", 0) in log, "b handled while a is held")
-    assert [entry for entry in log if entry[1] == "a"] == [("start", "a", 0)]
-    a_may_finish.set()
-    await until(lambda: ("end", "a", 2) in log, "all of a handled")
-    assert [entry for entry in log if entry[1] == "a"] == [
-        (edge, "a", n) for n in range(3) for edge in ("start", "end")
-    ]
+    await same_key_in_order_different_keys_concurrently(streams(), running.start)
 
 
 async def test_a_message_is_acknowledged_after_its_handler_and_before_its_key_moves_on(
