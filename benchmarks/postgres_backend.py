@@ -26,10 +26,11 @@ import secrets
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
@@ -187,16 +188,39 @@ def _hand_off_worker(
                     times[index * turns + turn] = time.monotonic()
                 await asyncio.gather(*(_one(library, pool, queue, "ball") for _ in range(batch)))
             times[len(times) - 1 - index] = time.monotonic()
+            barrier.wait()  # every process's turns are done: the machine's CPU time is read
             await queue.close()
 
     asyncio.run(main())
 
 
-def _hand_off(dsn: str, library: str, processes: int, turns: int, queued: int = 1) -> float:
-    """Turns per second, four processes taking turns on one key, ``queued`` calls at a time
-    each."""
+class HandOff(NamedTuple):
+    """One hand-off run: turns per second, and the machine's CPU time per turn."""
+
+    rate: float
+    #: Busy CPU time of the whole machine (every process and the server) per turn, in
+    #: seconds, from the first turn's start to the last one's end; None off Linux.
+    cpu_per_turn: float | None
+
+
+def _busy_seconds() -> float | None:
+    """CPU time the machine has spent busy since it booted, all CPUs, from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    # cpu user nice system idle iowait irq softirq steal ...: all but idle and iowait.
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _hand_off(dsn: str, library: str, processes: int, turns: int, queued: int = 1) -> HandOff:
+    """Four processes taking turns on one key, ``queued`` calls at a time each: turns per
+    second, and the machine's busy CPU time per turn while they did."""
     context = multiprocessing.get_context("spawn")
-    barrier = context.Barrier(processes)
+    # This process waits at the barrier too, before the first turn and after the last, to
+    # read the machine's CPU time then: start-up and shutdown stay out of it.
+    barrier = context.Barrier(processes + 1)
     shared = context.Array("d", processes * turns + processes, lock=False)
     workers = [
         context.Process(
@@ -207,13 +231,34 @@ def _hand_off(dsn: str, library: str, processes: int, turns: int, queued: int = 
     ]
     for worker in workers:
         worker.start()
+    try:
+        barrier.wait(timeout=600)
+        busy_before = _busy_seconds()
+        barrier.wait(timeout=600)
+        busy_after = _busy_seconds()
+    except threading.BrokenBarrierError:
+        barrier.abort()
+        busy_before = busy_after = None
     for worker in workers:
         worker.join(timeout=600)
     if any(worker.exitcode != 0 for worker in workers):
         raise RuntimeError(f"a {library} hand-off worker failed")
     times: list[float] = list(shared)
     elapsed = max(times[processes * turns :]) - min(times[: processes * turns])
-    return processes * turns / elapsed
+    cpu = None
+    if busy_before is not None and busy_after is not None:
+        cpu = (busy_after - busy_before) / (processes * turns)
+    return HandOff(processes * turns / elapsed, cpu)
+
+
+def _median_cpu(runs: list[HandOff]) -> float | None:
+    """The median CPU time per turn over ``runs``, or None where it was not measured."""
+    measured = [run.cpu_per_turn for run in runs if run.cpu_per_turn is not None]
+    return statistics.median(measured) if measured else None
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
 def main() -> int:
@@ -240,8 +285,8 @@ def main() -> int:
                 asyncio.run(_uncontended(dsn, library, calls, trace))
                 round_trips[library] = _count_round_trips(trace) / calls
         samples: dict[str, list[float]] = {library: [] for library in LIBRARIES}
-        rates: dict[str, list[float]] = {library: [] for library in LIBRARIES}
-        queued_rates: dict[str, list[float]] = {library: [] for library in POSTGRES}
+        rates: dict[str, list[HandOff]] = {library: [] for library in LIBRARIES}
+        queued_rates: dict[str, list[HandOff]] = {library: [] for library in POSTGRES}
         for _ in range(repeats):
             for library in LIBRARIES:
                 seconds = asyncio.run(_uncontended(dsn, library, calls, None))
@@ -259,8 +304,13 @@ def main() -> int:
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
     latency = {library: statistics.median(values) for library, values in samples.items()}
-    throughput = {library: statistics.median(values) for library, values in rates.items()}
-    queued = {library: statistics.median(values) for library, values in queued_rates.items()}
+    throughput = {
+        library: statistics.median(r.rate for r in runs) for library, runs in rates.items()
+    }
+    queued = {
+        library: statistics.median(r.rate for r in runs) for library, runs in queued_rates.items()
+    }
+    cpu = {library: _median_cpu(runs) for library, runs in rates.items()}
     rows = {
         "uncontended µs/call": {n: f"{latency[n] * 1e6:,.0f}" for n in LIBRARIES},
         "round trips/call": {n: f"{round_trips[n]:.1f}" for n in LIBRARIES},
@@ -268,6 +318,7 @@ def main() -> int:
         f"hand-off turns/s, {QUEUED} calls queued per process": {
             n: f"{queued[n]:,.0f}" if n in POSTGRES else "" for n in LIBRARIES
         },
+        "machine CPU ms per hand-off turn": {n: _milliseconds(cpu[n]) for n in LIBRARIES},
         "connections per waiting call": {
             LIBRARIES[0]: "one per key and process",
             LIBRARIES[1]: "none (the next call's: one)",
@@ -308,7 +359,9 @@ def main() -> int:
         "function's statement, then COMMIT. Fair mode ÷ default, hand-off turns/s: "
         f"{throughput[LIBRARIES[1]] / throughput[LIBRARIES[0]]:.2f} with one call per process "
         f"at a time, {queued[LIBRARIES[1]] / queued[LIBRARIES[0]]:.2f} with {QUEUED} queued per "
-        "process (the next call waits in the server, the others with a ticket).",
+        "process (the next call waits in the server, the others with a ticket). Machine CPU "
+        "per hand-off turn: the busy time of every CPU (all processes and the server; from "
+        "/proc/stat) from the first turn to the last of the one-call runs, per turn.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
