@@ -182,13 +182,19 @@ def _hand_off_worker(
             queue = Queues(pool, redis_port)
             await _one(library, pool, queue, "warm-up")
             barrier.wait()
-            for done in range(0, turns, queued):
-                batch = min(queued, turns - done)
-                for turn in range(done, done + batch):
-                    times[index * turns + turn] = time.monotonic()
-                await asyncio.gather(*(_one(library, pool, queue, "ball") for _ in range(batch)))
-            times[len(times) - 1 - index] = time.monotonic()
-            barrier.wait()  # every process's turns are done: the machine's CPU time is read
+            try:
+                for done in range(0, turns, queued):
+                    batch = min(queued, turns - done)
+                    for turn in range(done, done + batch):
+                        times[index * turns + turn] = time.monotonic()
+                    await asyncio.gather(
+                        *(_one(library, pool, queue, "ball") for _ in range(batch))
+                    )
+                times[len(times) - 1 - index] = time.monotonic()
+            finally:
+                # Every process's turns are done (or this one failed: the run ends at once,
+                # not at the barrier's timeout): the machine's CPU time is read then.
+                barrier.wait()
             await queue.close()
 
     asyncio.run(main())
@@ -199,7 +205,7 @@ class HandOff(NamedTuple):
 
     rate: float
     #: Busy CPU time of the whole machine (every process and the server) per turn, in
-    #: seconds, from the first turn's start to the last one's end; None off Linux.
+    #: seconds, from just before the first turn to just after the last; None off Linux.
     cpu_per_turn: float | None
 
 
