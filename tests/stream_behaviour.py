@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 from keyserial.streams import KeyedStream, StreamMessage
 
 from .redis_helpers import until
 
 
+class Running:
+    """``run()`` of each stream as a task; stops them all (gracefully) at the end."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[KeyedStream, asyncio.Task[None]] = {}
+
+    def start(self, stream: KeyedStream) -> None:
+        self.tasks[stream] = asyncio.create_task(stream.run())
+
+    async def stop(self, stream: KeyedStream) -> None:
+        stream.stop()
+        await self.tasks.pop(stream)
+
+    async def stop_all(self) -> None:
+        for stream in list(self.tasks):
+            await self.stop(stream)
+
+
 async def consumers_share_partitions_and_take_them_back(
-    first: KeyedStream,
-    second: KeyedStream,
-    start: Callable[[KeyedStream], None],
-    stop: Callable[[KeyedStream], Awaitable[None]],
+    first: KeyedStream, second: KeyedStream, running: Running
 ) -> None:
     """Two consumers of one stream of 8 partitions own 4 each and both handle messages; once
     ``second`` stops, ``first`` owns all 8 again."""
@@ -25,9 +39,9 @@ async def consumers_share_partitions_and_take_them_back(
         async def handle(message: StreamMessage, stream: KeyedStream = stream) -> None:
             handled[stream].append(message.id)
 
-    start(first)
+    running.start(first)
     await until(lambda: len(first.stats().partitions) == 8, "first owns all", seconds=10)
-    start(second)
+    running.start(second)
     await until(
         lambda: len(first.stats().partitions) == len(second.stats().partitions) == 4,
         "four partitions each",
@@ -38,12 +52,12 @@ async def consumers_share_partitions_and_take_them_back(
         await first.publish(f"key-{n}", {"n": n})
     await until(lambda: len(handled[first]) + len(handled[second]) == 40, "all handled")
     assert handled[first] and handled[second]
-    await stop(second)
+    await running.stop(second)
     await until(lambda: len(first.stats().partitions) == 8, "first owns all again", seconds=10)
 
 
 async def same_key_in_order_different_keys_concurrently(
-    stream: KeyedStream, start: Callable[[KeyedStream], None]
+    stream: KeyedStream, running: Running
 ) -> None:
     """Key a's three messages run one at a time, in publish order, while key b's message
     runs to its end as a's first is held."""
@@ -61,7 +75,7 @@ async def same_key_in_order_different_keys_concurrently(
     for n in range(3):
         await stream.publish("a", {"n": n})
     await stream.publish("b", {"n": 0})
-    start(stream)
+    running.start(stream)
     await until(lambda: ("start", "a", 0) in log, "a's first message started")
     await until(lambda: ("end", "b", 0) in log, "b handled while a is held")
     assert [entry for entry in log if entry[1] == "a"] == [("start", "a", 0)]

@@ -25,6 +25,7 @@ from keyserial.streams._postgres_source import PostgresStreamSource
 from .conftest import Pools
 from .redis_helpers import until
 from .stream_behaviour import (
+    Running,
     consumers_share_partitions_and_take_them_back,
     same_key_in_order_different_keys_concurrently,
 )
@@ -85,19 +86,6 @@ async def unacknowledged(pool: AsyncConnectionPool[Any]) -> list[str]:
     return [str(row[0]) for row in found]
 
 
-class Running:
-    def __init__(self) -> None:
-        self.tasks: list[tuple[KeyedStream, asyncio.Task[None]]] = []
-
-    def start(self, stream: KeyedStream) -> None:
-        self.tasks.append((stream, asyncio.create_task(stream.run())))
-
-    async def stop_all(self) -> None:
-        for stream, task in self.tasks:
-            stream.stop()
-            await task
-
-
 @pytest_asyncio.fixture
 async def running() -> AsyncIterator[Running]:
     runs = Running()
@@ -108,7 +96,7 @@ async def running() -> AsyncIterator[Running]:
 async def test_same_key_in_publish_order_different_keys_concurrently(
     streams: Streams, running: Running
 ) -> None:
-    await same_key_in_order_different_keys_concurrently(await streams(), running.start)
+    await same_key_in_order_different_keys_concurrently(await streams(), running)
 
 
 async def test_the_handlers_writes_commit_with_the_acknowledgement_before_its_key_moves_on(
@@ -564,9 +552,7 @@ async def test_consumers_share_partitions_evenly_and_take_them_back_when_one_lea
     streams: Streams, running: Running
 ) -> None:
     first, second = await streams(partitions=8), await streams(partitions=8)
-    await consumers_share_partitions_and_take_them_back(
-        first, second, start=running.start, stop=lambda stream: stream.stop()
-    )
+    await consumers_share_partitions_and_take_them_back(first, second, running)
 
 
 async def test_a_stray_notification_on_the_channel_leaves_the_listener_running(

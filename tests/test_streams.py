@@ -17,6 +17,7 @@ from keyserial.streams import KeyedStream, RedisStreamSource, StreamMessage, acl
 
 from .redis_helpers import Clients, one_node_cluster, until
 from .stream_behaviour import (
+    Running,
     consumers_share_partitions_and_take_them_back,
     same_key_in_order_different_keys_concurrently,
 )
@@ -42,24 +43,6 @@ async def streams(clients: Clients) -> AsyncIterator[Streams]:
         stream.stop()
     for stream in made:
         await stream.aclose()
-
-
-class Running:
-    """``run()`` of each stream as a task; stops them all (gracefully) at the end."""
-
-    def __init__(self) -> None:
-        self.tasks: dict[KeyedStream, asyncio.Task[None]] = {}
-
-    def start(self, stream: KeyedStream) -> None:
-        self.tasks[stream] = asyncio.create_task(stream.run())
-
-    async def stop(self, stream: KeyedStream) -> None:
-        stream.stop()
-        await self.tasks.pop(stream)
-
-    async def stop_all(self) -> None:
-        for stream in list(self.tasks):
-            await self.stop(stream)
 
 
 @pytest_asyncio.fixture
@@ -100,7 +83,7 @@ def redis_names(stream: KeyedStream) -> RedisStreamSource:
 async def test_same_key_in_stream_order_different_keys_concurrently(
     streams: Streams, running: Running
 ) -> None:
-    await same_key_in_order_different_keys_concurrently(streams(), running.start)
+    await same_key_in_order_different_keys_concurrently(streams(), running)
 
 
 async def test_a_message_is_acknowledged_after_its_handler_and_before_its_key_moves_on(
@@ -399,9 +382,7 @@ async def test_consumers_share_partitions_evenly_and_take_them_back_when_one_lea
     streams: Streams, running: Running
 ) -> None:
     first, second = streams(partitions=8), streams(partitions=8)
-    await consumers_share_partitions_and_take_them_back(
-        first, second, start=running.start, stop=running.stop
-    )
+    await consumers_share_partitions_and_take_them_back(first, second, running)
 
 
 async def test_keys_keep_their_type_and_fields_arrive_as_text(
