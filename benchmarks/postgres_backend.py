@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import secrets
@@ -28,7 +29,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -52,6 +53,8 @@ LIBRARIES = (
 POSTGRES = LIBRARIES[:2]
 #: Calls each process keeps queued at once in the queued hand-off run.
 QUEUED = 8
+#: Calls of another process waiting on other keys in fair mode's third hand-off run.
+ELSEWHERE = 5000
 #: The Redis server of the run (the Redis backend's column), set by main().
 redis_port_of_run = 0  # set by main(): the Redis server of the run
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -209,6 +212,28 @@ class HandOff(NamedTuple):
     cpu_per_turn: float | None
 
 
+@contextlib.contextmanager
+def _waiting_elsewhere(dsn: str, count: int) -> Generator[None, None, None]:
+    """``count`` calls of another process waiting in fair mode, each on a key of its own.
+
+    Their tickets are written into the ticket table directly, as that process's
+    registrations would leave them (its heartbeat kept away: they never age), and removed
+    afterwards. No hand-off run's key is among theirs.
+    """
+    owner = -1  # an owner id no process draws: theirs are random (keyserial.postgres._tickets)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO keyserial_fences_tq SELECT g, g, %s, 'infinity' "
+            "FROM generate_series(1, %s) g",
+            (owner, count),
+        )
+        conn.execute("ANALYZE keyserial_fences_tq")
+        try:
+            yield
+        finally:
+            conn.execute("DELETE FROM keyserial_fences_tq WHERE owner = %s", (owner,))
+
+
 def _busy_seconds() -> float | None:
     """CPU time the machine has spent busy since it booted, all CPUs, from /proc/stat."""
     try:
@@ -293,6 +318,7 @@ def main() -> int:
         samples: dict[str, list[float]] = {library: [] for library in LIBRARIES}
         rates: dict[str, list[HandOff]] = {library: [] for library in LIBRARIES}
         queued_rates: dict[str, list[HandOff]] = {library: [] for library in POSTGRES}
+        elsewhere_rates: list[HandOff] = []
         for _ in range(repeats):
             for library in LIBRARIES:
                 seconds = asyncio.run(_uncontended(dsn, library, calls, None))
@@ -301,6 +327,8 @@ def main() -> int:
                 rates[library].append(_hand_off(dsn, library, processes, turns))
             for library in POSTGRES:
                 queued_rates[library].append(_hand_off(dsn, library, processes, turns, QUEUED))
+            with _waiting_elsewhere(dsn, ELSEWHERE):
+                elsewhere_rates.append(_hand_off(dsn, LIBRARIES[1], processes, turns))
     finally:
         redis_server.terminate()
         redis_server.wait(timeout=10)
@@ -317,12 +345,16 @@ def main() -> int:
         library: statistics.median(r.rate for r in runs) for library, runs in queued_rates.items()
     }
     cpu = {library: _median_cpu(runs) for library, runs in rates.items()}
+    elsewhere = statistics.median(r.rate for r in elsewhere_rates)
     rows = {
         "uncontended µs/call": {n: f"{latency[n] * 1e6:,.0f}" for n in LIBRARIES},
         "round trips/call": {n: f"{round_trips[n]:.1f}" for n in LIBRARIES},
         "hand-off turns/s": {n: f"{throughput[n]:,.0f}" for n in LIBRARIES},
         f"hand-off turns/s, {QUEUED} calls queued per process": {
             n: f"{queued[n]:,.0f}" if n in POSTGRES else "" for n in LIBRARIES
+        },
+        f"hand-off turns/s, {ELSEWHERE:,} calls waiting on other keys": {
+            n: f"{elsewhere:,.0f}" if n == LIBRARIES[1] else "" for n in LIBRARIES
         },
         "machine CPU ms per hand-off turn": {n: _milliseconds(cpu[n]) for n in LIBRARIES},
         "connections per waiting call": {
@@ -367,7 +399,10 @@ def main() -> int:
         f"at a time, {queued[LIBRARIES[1]] / queued[LIBRARIES[0]]:.2f} with {QUEUED} queued per "
         "process (the next call waits in the server, the others with a ticket). Machine CPU "
         "per hand-off turn: the busy time of every CPU (all processes and the server; from "
-        "/proc/stat) from the first turn to the last of the one-call runs, per turn.",
+        "/proc/stat) from the first turn to the last of the one-call runs, per turn. "
+        f"With {ELSEWHERE:,} calls waiting on other keys: the tickets of another process's "
+        "waiting calls, one per key, written into the ticket table for that run; fair mode ÷ "
+        f"itself without them: {elsewhere / throughput[LIBRARIES[1]]:.2f}.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

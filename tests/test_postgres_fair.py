@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 from keyserial import current_fence
@@ -265,3 +266,77 @@ async def test_the_ticket_connection_takes_its_owner_lock_once_an_old_session_le
     await holder
     await queue.aclose()
     assert held, "the ticket connection never took its owner lock"
+
+
+def _scanned_whole(plan: Any, table: str) -> list[str]:
+    """The node types of ``plan`` (EXPLAIN's JSON) that read every row of ``table``."""
+    found: list[str] = []
+    nodes = [plan]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, list):
+            nodes.extend(node)  # pyright: ignore[reportUnknownArgumentType]
+        elif isinstance(node, dict):
+            if node.get("Node Type") == "Seq Scan" and node.get("Relation Name") == table:
+                found.append("Seq Scan")
+            nodes.extend(node.values())  # pyright: ignore[reportUnknownArgumentType]
+    return found
+
+
+async def test_a_process_finds_its_own_tickets_without_reading_every_waiting_calls(
+    postgres_dsn: str,
+) -> None:
+    # Five thousand calls of another process wait on other keys. This process's verdicts,
+    # the tickets it gives back and its heartbeat find its own rows through an index: a
+    # statement that read every ticket would make each turn cost more the more calls wait
+    # anywhere in the queue.
+    owner = new_owner()
+    key = lock_id("t", "k")
+    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as conn:
+        await ensure_sequence(conn, "fences", None)
+        await ensure_ticket_table(conn, "fences", None)
+        await conn.execute(
+            "INSERT INTO fences_tq SELECT g, g, %s, now() FROM generate_series(1, 5000) g",
+            (new_owner(),),
+        )
+        await conn.execute("INSERT INTO fences_tq VALUES (%s, 5001, %s, now())", (key, owner))
+        await conn.execute("ANALYZE fences_tq")
+        tickets = TicketSql("fences", None, 10.0, owner)
+        await conn.execute(tickets.prepare())
+        statements = [
+            tickets.verdicts([5001]).as_string(conn),
+            tickets.new_verdicts(1).as_string(conn),
+            *tickets.give_back([5001], [key]).as_string(conn).split("; "),
+            *(
+                statement
+                for statement in tickets.heartbeat([5001]).as_string(conn).split("; ")
+                if "owner = " in statement
+            ),
+        ]
+        assert len(statements) == 6
+        for statement in statements:
+            explain = sql.SQL("EXPLAIN (FORMAT JSON) " + statement)  # pyright: ignore[reportArgumentType]
+            cursor = await conn.execute(explain)
+            row = await cursor.fetchone()
+            assert row is not None
+            assert _scanned_whole(row[0], "fences_tq") == [], statement
+
+
+async def test_a_ticket_table_made_without_its_owner_index_gets_it_on_first_use(
+    postgres_dsn: str,
+) -> None:
+    # A ticket table made by an earlier version has no index by owner: the first fair
+    # queue of a role that may add it does.
+    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as conn:
+        await conn.execute(
+            "CREATE UNLOGGED TABLE fences_tq (lock bigint NOT NULL, ticket bigint NOT NULL, "
+            "owner bigint NOT NULL, seen timestamptz NOT NULL, PRIMARY KEY (lock, ticket))"
+        )
+        await ensure_ticket_table(conn, "fences", None)
+        cursor = await conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE tablename = 'fences_tq' "
+            "AND indexname = 'fences_tqo'"
+        )
+        assert await cursor.fetchall() == [
+            ("CREATE INDEX fences_tqo ON public.fences_tq USING btree (owner, ticket)",)
+        ]

@@ -1,17 +1,19 @@
 """The queue's database objects, and how an operator makes them.
 
 Every queue needs its fence sequence, ``<table>_seq``; a queue with ``fair=True`` also needs
-its ticket table, ``<table>_tq``, where waiting calls keep their tickets (see ``_early``). A
-role that may create objects in the schema gets them made on first use. A role with less
-(the usual application role) needs them made beforehand, once, by ``setup_sql()`` in a
-migration or by ``python -m keyserial.postgres setup``; it then needs only ``USAGE`` on the
-schema and on the sequence, and ``SELECT, INSERT, UPDATE, DELETE`` on the ticket table.
+its ticket table, ``<table>_tq``, where waiting calls keep their tickets (see ``_early``),
+with its index by owner, ``<table>_tqo``. A role that may create objects in the schema gets
+them made on first use. A role with less (the usual application role) needs them made
+beforehand, once, by ``setup_sql()`` in a migration or by ``python -m keyserial.postgres
+setup``; it then needs only ``USAGE`` on the schema and on the sequence, and ``SELECT,
+INSERT, UPDATE, DELETE`` on the ticket table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from typing import Any
 
 import psycopg
@@ -21,14 +23,18 @@ from ._errors import SetupRequired
 from ._ids import SETUP_LOCK
 from ._stream_tables import ensure_stream_tables, grant_stream_tables, stream_tables_sql
 
+logger = logging.getLogger("keyserial")
+
 DEFAULT_TABLE = "keyserial_fences"
 
 
 #: The longest identifier PostgreSQL keeps, in bytes (NAMEDATALEN - 1); a longer one is cut.
 MAX_IDENTIFIER = 63
 _SUFFIX = "_seq"
-#: The ticket table's suffix: no longer than the sequence's, so the same limit keeps both.
+#: The ticket table's suffix, and its owner index's: no longer than the sequence's, so the
+#: same limit keeps all three.
 _TICKETS_SUFFIX = "_tq"
+_OWNER_INDEX_SUFFIX = "_tqo"
 
 
 def check_names(table: str, schema: str | None) -> None:
@@ -78,6 +84,17 @@ def ticket_table(table: str = DEFAULT_TABLE, schema: str | None = None) -> sql.I
     return _qualified(table + _TICKETS_SUFFIX, schema)
 
 
+def owner_index(table: str = DEFAULT_TABLE) -> str:
+    """The name of the ticket table's index by owner and ticket, ``<table>_tqo``: the index
+    lives in its table's schema, so the name is not qualified.
+
+    Raises:
+        TypeError, ValueError: as `check_names`.
+    """
+    check_names(table, None)
+    return table + _OWNER_INDEX_SUFFIX
+
+
 def _sequence_sql(name: sql.Identifier) -> sql.Composed:
     return sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(name)
 
@@ -94,6 +111,14 @@ def _ticket_table_sql(name: sql.Identifier) -> sql.Composed:
         "    PRIMARY KEY (lock, ticket)\n"
         ")"
     ).format(name)
+
+
+def _owner_index_sql(name: sql.Identifier, index: str) -> sql.Composed:
+    # A process finds its own tickets by owner and ticket (its verdicts, the tickets it gives
+    # back, its heartbeat): through this index, not by reading every waiting call's row.
+    return sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (owner, ticket)").format(
+        sql.Identifier(index), name
+    )
 
 
 def _grants_sql(table: str, schema: str | None, role: str) -> list[sql.Composed]:
@@ -141,6 +166,7 @@ def setup_sql(
             seen timestamptz NOT NULL,
             PRIMARY KEY (lock, ticket)
         );
+        CREATE INDEX IF NOT EXISTS "keyserial_fences_tqo" ON "keyserial_fences_tq" (owner, ticket);
         GRANT USAGE ON SEQUENCE "keyserial_fences_seq" TO "app";
         GRANT SELECT, INSERT, UPDATE, DELETE ON "keyserial_fences_tq" TO "app";
 
@@ -149,6 +175,7 @@ def setup_sql(
     lines = [
         _sequence_sql(sequence(table, schema)),
         _ticket_table_sql(ticket_table(table, schema)),
+        _owner_index_sql(ticket_table(table, schema), owner_index(table)),
     ]
     if grant_to is not None:
         lines.extend(_grants_sql(table, schema, grant_to))
@@ -181,14 +208,36 @@ async def ensure_sequence(connection: AsyncConnection[Any], table: str, schema: 
 async def ensure_ticket_table(
     connection: AsyncConnection[Any], table: str, schema: str | None
 ) -> None:
-    """Make a fair queue's ticket table if it is missing (by whichever process is first).
+    """Make a fair queue's ticket table and its owner index if missing (by whichever
+    process is first).
+
+    A ticket table made by an earlier version has no owner index: it is added where this
+    role may; elsewhere fair mode works without it, reading every ticket's row where the
+    index would find the process's own, and a warning says to run the setup again.
 
     Raises:
         SetupRequired: the table is missing and this role may not create it.
     """
     name = ticket_table(table, schema)
+    index = owner_index(table)
     async with connection.transaction():
-        await _create(connection, name, _ticket_table_sql(name), "fair mode's ticket table")
+        if await _create(connection, name, _ticket_table_sql(name), "fair mode's ticket table"):
+            await connection.execute(_owner_index_sql(name, index))
+            return
+        if await _exists(connection, _qualified(index, schema)):
+            return
+        try:
+            async with connection.transaction():  # a savepoint: refused, the rest holds
+                await connection.execute("SELECT pg_advisory_xact_lock(%s)", (SETUP_LOCK,))
+                await connection.execute(_owner_index_sql(name, index))
+        except psycopg.errors.InsufficientPrivilege:
+            logger.warning(
+                "fair mode's ticket table %s has no index %s, and this role may not add it: "
+                "run 'python -m keyserial.postgres setup' or the SQL of setup_sql() again, as "
+                "a role that may; until then each process's statements read every ticket",
+                name.as_string(connection),
+                index,
+            )
 
 
 async def _create(
