@@ -35,6 +35,9 @@ _SUFFIX = "_seq"
 #: same limit keeps all three.
 _TICKETS_SUFFIX = "_tq"
 _OWNER_INDEX_SUFFIX = "_tqo"
+#: The ticket tables (server, database, name) this process was told it may not add the owner
+#: index to (see `ensure_ticket_table`): each is warned of once.
+_WARNED_NO_INDEX: set[tuple[str, int, str, str]] = set()
 
 
 def check_names(table: str, schema: str | None) -> None:
@@ -231,11 +234,16 @@ async def ensure_ticket_table(
                 await connection.execute("SELECT pg_advisory_xact_lock(%s)", (SETUP_LOCK,))
                 await connection.execute(_owner_index_sql(name, index))
         except psycopg.errors.InsufficientPrivilege:
+            where = name.as_string(connection)
+            info = connection.info
+            if (info.host, info.port, info.dbname, where) in _WARNED_NO_INDEX:
+                return  # said once per process: the ticket connection opens again and again
+            _WARNED_NO_INDEX.add((info.host, info.port, info.dbname, where))
             logger.warning(
                 "fair mode's ticket table %s has no index %s, and this role may not add it: "
                 "run 'python -m keyserial.postgres setup' or the SQL of setup_sql() again, as "
                 "a role that may; until then each process's statements read every ticket",
-                name.as_string(connection),
+                where,
                 index,
             )
 
