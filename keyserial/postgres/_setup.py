@@ -119,7 +119,7 @@ def _ticket_table_sql(name: sql.Identifier) -> sql.Composed:
 def _owner_index_sql(name: sql.Identifier, index: str) -> sql.Composed:
     # A process finds its own tickets by owner and ticket (its verdicts, the tickets it gives
     # back, its heartbeat): through this index, not by reading every waiting call's row.
-    return sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (owner, ticket)").format(
+    return sql.SQL("CREATE INDEX IF NOT EXISTS {}\n    ON {} (owner, ticket)").format(
         sql.Identifier(index), name
     )
 
@@ -169,7 +169,8 @@ def setup_sql(
             seen timestamptz NOT NULL,
             PRIMARY KEY (lock, ticket)
         );
-        CREATE INDEX IF NOT EXISTS "keyserial_fences_tqo" ON "keyserial_fences_tq" (owner, ticket);
+        CREATE INDEX IF NOT EXISTS "keyserial_fences_tqo"
+            ON "keyserial_fences_tq" (owner, ticket);
         GRANT USAGE ON SEQUENCE "keyserial_fences_seq" TO "app";
         GRANT SELECT, INSERT, UPDATE, DELETE ON "keyserial_fences_tq" TO "app";
 
