@@ -6,7 +6,9 @@
 Measures, side by side: uncontended latency (sequential calls on distinct keys, each
 writing one row in its turn), round trips per uncontended call (counted from libpq's
 protocol trace: one per Sync or simple Query the client sends), and same-key hand-off
-throughput with four processes taking turns on one key. The recipes:
+throughput with four processes taking turns on one key; for fair mode also with many calls
+of another process waiting on other keys (``ELSEWHERE``), which a process's own ticket
+statements must not read through. The recipes:
 
 * ``pg_advisory_lock`` around the work: lock, write, unlock (a session lock: the write
   commits on its own, so a holder that stalls can still write after losing nothing);
