@@ -284,6 +284,11 @@ def _hand_off(dsn: str, library: str, processes: int, turns: int, queued: int = 
     return HandOff(processes * turns / elapsed, cpu)
 
 
+def _median_rate(runs: list[HandOff]) -> float:
+    """The median turns per second over ``runs``."""
+    return statistics.median(run.rate for run in runs)
+
+
 def _median_cpu(runs: list[HandOff]) -> float | None:
     """The median CPU time per turn over ``runs``, or None where it was not measured."""
     measured = [run.cpu_per_turn for run in runs if run.cpu_per_turn is not None]
@@ -340,14 +345,10 @@ def main() -> int:
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
     latency = {library: statistics.median(values) for library, values in samples.items()}
-    throughput = {
-        library: statistics.median(r.rate for r in runs) for library, runs in rates.items()
-    }
-    queued = {
-        library: statistics.median(r.rate for r in runs) for library, runs in queued_rates.items()
-    }
+    throughput = {library: _median_rate(runs) for library, runs in rates.items()}
+    queued = {library: _median_rate(runs) for library, runs in queued_rates.items()}
     cpu = {library: _median_cpu(runs) for library, runs in rates.items()}
-    elsewhere = statistics.median(r.rate for r in elsewhere_rates)
+    elsewhere = _median_rate(elsewhere_rates)
     rows = {
         "uncontended µs/call": {n: f"{latency[n] * 1e6:,.0f}" for n in LIBRARIES},
         "round trips/call": {n: f"{round_trips[n]:.1f}" for n in LIBRARIES},

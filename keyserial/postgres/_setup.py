@@ -237,9 +237,10 @@ async def ensure_ticket_table(
         except psycopg.errors.InsufficientPrivilege:
             where = name.as_string(connection)
             info = connection.info
-            if (info.host, info.port, info.dbname, where) in _WARNED_NO_INDEX:
+            warned = (info.host, info.port, info.dbname, where)
+            if warned in _WARNED_NO_INDEX:
                 return  # said once per process: the ticket connection opens again and again
-            _WARNED_NO_INDEX.add((info.host, info.port, info.dbname, where))
+            _WARNED_NO_INDEX.add(warned)
             logger.warning(
                 "fair mode's ticket table %s has no index %s, and this role may not add it: "
                 "run 'python -m keyserial.postgres setup' or the SQL of setup_sql() again, as "
