@@ -20,6 +20,7 @@ from psycopg_pool import AsyncConnectionPool
 from keyserial.postgres import connection
 from keyserial.streams import Entry, KeyedStream, PartitionLost, StreamMessage
 from keyserial.streams import _partition as partition_module
+from keyserial.streams import _postgres_source as postgres_source
 from keyserial.streams._postgres_source import PostgresStreamSource
 
 from .conftest import Pools
@@ -293,6 +294,49 @@ async def test_reading_goes_on_while_the_handlers_hold_every_connection_of_the_p
         release.set()
     await until(lambda: stream.stats().handled == 4, "all handled")
     assert started == ["0", "1", "2", "3"]
+
+
+def scans_of(plan: Any, table: str) -> list[tuple[str, int]]:
+    """Each scan of ``table`` in ``plan`` (EXPLAIN ANALYZE's JSON): its node type and how
+    many times it ran."""
+    found: list[tuple[str, int]] = []
+    nodes = [plan[0]["Plan"]]
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.get("Plans", []))
+        if node.get("Relation Name") == table and "Scan" in node["Node Type"]:
+            found.append((node["Node Type"], node["Actual Loops"]))
+    return found
+
+
+async def test_a_read_looks_its_messages_up_once_however_many_wait_in_the_partition(
+    streams: Streams, pools: Pools
+) -> None:
+    # Looked up once per message waiting in the partition, a read of a few messages costs
+    # the whole backlog times the batch: the planner picks that on a table whose statistics
+    # are not yet gathered, as after a burst of publications.
+    stream = await streams(partitions=1)
+    for n in range(300):
+        await stream.publish("k", {"n": n})
+    source = PostgresStreamSource(await pools(), "s", 1, 10.0)
+    taken = await source._owners.take_over(0, "owner")  # pyright: ignore[reportPrivateUsage]
+    assert taken is not None
+    fence = taken[0]
+    assert len(await read_entries(source, fence)) == 10  # handed out: what a claim finds
+    args = {"stream": "s", "partition": 0, "fence": fence, "count": 50, "after": 0}
+    pool = await pools()
+    for statement, handed in ((postgres_source._READ, 50), (postgres_source._CLAIM, 10)):
+        async with pool.connection() as conn, conn.transaction(force_rollback=True):
+            explain = "EXPLAIN (ANALYZE, FORMAT JSON) " + statement
+            found = await conn.execute(explain, args)  # pyright: ignore[reportArgumentType]
+            row = await found.fetchone()
+        assert row is not None
+        plan = row[0]
+        assert plan[0]["Plan"]["Actual Rows"] == handed
+        scans = scans_of(plan, "keyserial_stream_messages")
+        assert scans, plan
+        assert all(loops == 1 for _, loops in scans), scans
+    await source.aclose()
 
 
 async def test_an_idle_consumer_reads_only_when_a_publication_is_notified(

@@ -86,15 +86,20 @@ def _hand_out_sql(counted: str, matching: str) -> str:
     """A statement that hands out messages of a partition to its owner, in one transaction:
     the partition's row locked ``FOR KEY SHARE`` with the owner's fence, as ``_FENCE`` does,
     then the oldest ``matching`` messages' deliveries set to ``counted``. Its rows: whether
-    the fence held, then a message each (one row of NULLs when none matched)."""
+    the fence held, then a message each (one row of NULLs when none matched).
+
+    The messages are picked into an array, which the server computes once: picked by an
+    ``IN (subquery)``, the planner may run the subquery again for every message of the
+    partition, as it does on a table whose statistics are not gathered yet (after a burst
+    of publications), and a read would cost the whole backlog times its batch."""
     return (
         "WITH owner AS (SELECT 1 FROM keyserial_stream_partitions WHERE stream = %(stream)s "
         "AND partition = %(partition)s AND fence = %(fence)s FOR KEY SHARE), "
         f"handed AS (UPDATE {_MESSAGES} SET deliveries = {counted} "
         "WHERE stream = %(stream)s AND partition = %(partition)s "
-        f"AND EXISTS (SELECT 1 FROM owner) AND id IN (SELECT id FROM {_MESSAGES} "
+        f"AND EXISTS (SELECT 1 FROM owner) AND id = ANY(ARRAY(SELECT id FROM {_MESSAGES} "
         f"WHERE stream = %(stream)s AND partition = %(partition)s AND {matching} "
-        f"ORDER BY id LIMIT %(count)s) RETURNING {_COLUMNS}) "
+        f"ORDER BY id LIMIT %(count)s)) RETURNING {_COLUMNS}) "
         "SELECT EXISTS (SELECT 1 FROM owner), handed.* "
         "FROM (SELECT) AS one LEFT JOIN handed ON true"
     )
