@@ -78,6 +78,13 @@ async def read_entries(source: PostgresStreamSource, fence: int) -> list[Entry]:
     return list(got)
 
 
+async def owner_fence(source: PostgresStreamSource, owner: str) -> int:
+    """Take partition 0 over through ``source``, as ``owner``; the new fence."""
+    taken = await source._owners.take_over(0, owner)  # pyright: ignore[reportPrivateUsage]
+    assert taken is not None
+    return taken[0]
+
+
 async def applied(pool: AsyncConnectionPool[Any]) -> list[tuple[str, int]]:
     return [(k, n) for k, n in await rows(pool, "SELECT key, n FROM applied ORDER BY at")]
 
@@ -230,9 +237,7 @@ async def test_an_attempt_for_a_message_whose_commit_did_land_runs_nothing(
 ) -> None:
     source = PostgresStreamSource(await pools(), "s", 1, 0.5)
     await source.publish("k", {"n": 0})
-    taken = await source._owners.take_over(0, "owner")  # pyright: ignore[reportPrivateUsage]
-    assert taken is not None
-    fence = taken[0]
+    fence = await owner_fence(source, "owner")
     [entry] = await read_entries(source, fence)
     async with source.attempt(0, fence, entry) as needed:
         assert needed
@@ -319,9 +324,7 @@ async def test_a_read_looks_its_messages_up_once_however_many_wait_in_the_partit
     for n in range(300):
         await stream.publish("k", {"n": n})
     source = PostgresStreamSource(await pools(), "s", 1, 10.0)
-    taken = await source._owners.take_over(0, "owner")  # pyright: ignore[reportPrivateUsage]
-    assert taken is not None
-    fence = taken[0]
+    fence = await owner_fence(source, "owner")
     assert len(await read_entries(source, fence)) == 10  # handed out: what a claim finds
     args = {"stream": "s", "partition": 0, "fence": fence, "count": 50, "after": 0}
     pool = await pools()
@@ -468,9 +471,7 @@ async def test_a_new_owner_first_runs_the_previous_owners_unacknowledged_message
         await stream.publish("k", {"n": n})
     # An earlier owner read the first two and died before acknowledging them.
     dead = PostgresStreamSource(await pools(), "s", 1, 0.3)
-    taken = await dead._owners.take_over(0, "dead")  # pyright: ignore[reportPrivateUsage]
-    assert taken is not None
-    fence = taken[0]
+    fence = await owner_fence(dead, "dead")
     got = await dead.read(0, fence, "dead", 2)
     assert [entry.id for entry in got if isinstance(entry, Entry)] != []
     await stream.publish("k", {"n": 3})
@@ -498,9 +499,7 @@ async def test_a_message_handed_out_more_than_max_deliveries_times_is_dead_lette
     await stream.publish("k", {"n": 1})
     # Owners kept dying while it ran: it was handed out three times already.
     dead = PostgresStreamSource(await pools(), "s", 1, 0.3)
-    taken = await dead._owners.take_over(0, "dead")  # pyright: ignore[reportPrivateUsage]
-    assert taken is not None
-    fence = taken[0]
+    fence = await owner_fence(dead, "dead")
     await dead.read(0, fence, "dead", 1)
     await rows(
         db, "UPDATE keyserial_stream_messages SET deliveries = 3 WHERE id = %s RETURNING id", poison
