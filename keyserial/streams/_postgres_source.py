@@ -88,18 +88,22 @@ def _hand_out_sql(counted: str, matching: str) -> str:
     then the oldest ``matching`` messages' deliveries set to ``counted``. Its rows: whether
     the fence held, then a message each (one row of NULLs when none matched).
 
-    The messages are picked into an array, which the server computes once: picked by an
-    ``IN (subquery)``, the planner may run the subquery again for every message of the
-    partition, as it does on a table whose statistics are not gathered yet (after a burst
-    of publications), and a read would cost the whole backlog times its batch."""
+    The messages are picked into an array, which the server computes once, and updated
+    through the primary key within the range of their ids. On a table whose statistics are
+    not gathered yet (after a burst of publications) the planner otherwise runs an
+    ``IN (subquery)`` again for every message of the partition, or reads every message of
+    the partition to find those in the array: a read would cost the whole backlog."""
     return (
         "WITH owner AS (SELECT 1 FROM keyserial_stream_partitions WHERE stream = %(stream)s "
         "AND partition = %(partition)s AND fence = %(fence)s FOR KEY SHARE), "
+        f"picked AS (SELECT ARRAY(SELECT id FROM {_MESSAGES} "
+        f"WHERE stream = %(stream)s AND partition = %(partition)s AND {matching} "
+        "ORDER BY id LIMIT %(count)s) AS ids), "
         f"handed AS (UPDATE {_MESSAGES} SET deliveries = {counted} "
         "WHERE stream = %(stream)s AND partition = %(partition)s "
-        f"AND EXISTS (SELECT 1 FROM owner) AND id = ANY(ARRAY(SELECT id FROM {_MESSAGES} "
-        f"WHERE stream = %(stream)s AND partition = %(partition)s AND {matching} "
-        f"ORDER BY id LIMIT %(count)s)) RETURNING {_COLUMNS}) "
+        "AND EXISTS (SELECT 1 FROM owner) AND id = ANY((SELECT ids FROM picked)::bigint[]) "
+        "AND id BETWEEN (SELECT ids[1] FROM picked) "
+        f"AND (SELECT ids[cardinality(ids)] FROM picked) RETURNING {_COLUMNS}) "
         "SELECT EXISTS (SELECT 1 FROM owner), handed.* "
         "FROM (SELECT) AS one LEFT JOIN handed ON true"
     )
