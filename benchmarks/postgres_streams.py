@@ -18,8 +18,8 @@ and every handler does one write (an ``effects`` row) and ``await asyncio.sleep(
 Measured: messages per second (from the consumer's start until every effect committed), the
 per-key order violations (an effect committed after an effect of a later message of its key),
 and duplicate effects after the consumer process is SIGKILLed halfway and started again.
-The recipes get as many connections as keyserial's pool has; keyserial also keeps two
-connections of its own (the listener and the lease renewals).
+The recipes get as many connections as keyserial uses in all: its pool's, and the two it
+keeps of its own (the listener, and the one for reads and lease renewals).
 
 Uses the PostgreSQL at KEYSERIAL_TEST_POSTGRES (by default the local one), in a database of
 its own that it drops afterwards.
@@ -54,6 +54,9 @@ from .report import environment
 KEYS = 16
 HANDLER_AWAIT = 0.005
 CONNECTIONS = 16
+#: keyserial's consumer's connections beside its pool: the listener, and the one for reads
+#: and lease renewals. The recipes get as many connections as keyserial uses in all.
+OWN_CONNECTIONS = 2
 PARTITIONS = 16
 STREAM = "bench"
 #: The claim recipe's visibility timeout: a claim older than this is taken again.
@@ -157,11 +160,11 @@ async def _workers(
 
 
 async def skip_locked_consumer(dsn: str, stop: asyncio.Event) -> None:
-    await _workers(dsn, stop, CONNECTIONS, _skip_locked_worker)
+    await _workers(dsn, stop, CONNECTIONS + OWN_CONNECTIONS, _skip_locked_worker)
 
 
 async def claim_consumer(dsn: str, stop: asyncio.Event) -> None:
-    await _workers(dsn, stop, CONNECTIONS, _claim_worker)
+    await _workers(dsn, stop, CONNECTIONS + OWN_CONNECTIONS, _claim_worker)
 
 
 async def sequential_consumer(dsn: str, stop: asyncio.Event) -> None:
@@ -347,10 +350,10 @@ def main() -> int:
             c: f"{duplicates[c]:,}" if c in duplicates else "" for c in CONSUMERS
         },
         "connections": {
-            CONSUMERS[0]: f"{CONNECTIONS} (pool) + 2",
-            CONSUMERS[1]: f"{CONNECTIONS} (pool) + 2",
-            CONSUMERS[2]: str(CONNECTIONS),
-            CONSUMERS[3]: str(CONNECTIONS),
+            CONSUMERS[0]: f"{CONNECTIONS} (pool) + {OWN_CONNECTIONS}",
+            CONSUMERS[1]: f"{CONNECTIONS} (pool) + {OWN_CONNECTIONS}",
+            CONSUMERS[2]: str(CONNECTIONS + OWN_CONNECTIONS),
+            CONSUMERS[3]: str(CONNECTIONS + OWN_CONNECTIONS),
             CONSUMERS[4]: "1",
         },
     }
