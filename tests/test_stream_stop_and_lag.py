@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+from typing import Any, cast
 
 import pytest
 
+from keyserial import KeyedSerialQueue
 from keyserial.streams import KeyedStream, StreamMessage
+from keyserial.streams import _partition as partition_module
+from keyserial.streams._message import StreamCounts
 
 from .redis_helpers import Clients, until
 
@@ -85,3 +90,63 @@ async def test_stop_may_be_awaited_and_then_returns_once_run_has_returned(
     await stream.stop()  # not running: returns at once (and is kept for the next run)
     await asyncio.wait_for(stream.run(), timeout=5)
     await stream.aclose()
+
+
+class SlowLag:
+    """A source whose lag takes ``cost`` seconds to answer (or fails, if ``cost`` is None);
+    it records when it was asked."""
+
+    def __init__(self, cost: float | None) -> None:
+        self.cost = cost
+        self.asked: list[float] = []
+
+    async def lag(self, partition: int) -> int:
+        self.asked.append(asyncio.get_running_loop().time())
+        if self.cost is None:
+            raise ConnectionError("the broker is away")
+        await asyncio.sleep(self.cost)
+        return 7
+
+
+async def spacing_of_lag_questions(cost: float | None, partitions: int) -> list[float]:
+    """The time between the lag questions of one of ``partitions`` partitions, whose reader
+    would ask every quarter of a second for two minutes."""
+    source = SlowLag(cost)
+    in_flight = partition_module.InFlight(100)
+    in_flight.readers = partitions
+    worker = partition_module.PartitionWorker(
+        cast("Any", source), 0, 1, "me", handle_nothing, KeyedSerialQueue(),
+        in_flight, StreamCounts(), 1, None, 0.0,
+    )  # fmt: skip
+    for _ in range(480):
+        await worker._follow_lag()  # pyright: ignore[reportPrivateUsage]
+        await asyncio.sleep(POLL)
+    return [b - a for a, b in itertools.pairwise(source.asked)]
+
+
+POLL = 0.25
+
+
+def spaced_by(spacings: list[float], seconds: float, cost: float) -> bool:
+    """Whether every spacing is ``seconds``, give or take the reader's next poll."""
+    return bool(spacings) and all(seconds <= s < seconds + cost + POLL for s in spacings)
+
+
+async def handle_nothing(message: StreamMessage) -> None:
+    pass
+
+
+@pytest.mark.fake_clock
+async def test_a_lag_slow_to_count_is_asked_for_less_often_over_all_partitions() -> None:
+    # Counting a large backlog (PostgreSQL counts its unread rows) can take a good part of
+    # a second. Asked every second by every partition, the counts would fill the connection
+    # that reads and lease renewals go on: together they keep to LAG_SHARE of it.
+    every = partition_module.LAG_INTERVAL
+    assert spaced_by(await spacing_of_lag_questions(0.01, 4), every, 0.01)  # quick
+    slow = 0.1 * 16 / partition_module.LAG_SHARE  # 16 partitions, 0.1 s each
+    assert slow > 10 * every
+    assert spaced_by(await spacing_of_lag_questions(0.1, 16), slow, 0.1)
+    most = partition_module.LAG_INTERVAL_MOST  # but never less often than that
+    assert spaced_by(await spacing_of_lag_questions(5.0, 16), most, 5.0)
+    # A question that failed is asked again as soon as a quick one would be.
+    assert spaced_by(await spacing_of_lag_questions(None, 16), every, 0)

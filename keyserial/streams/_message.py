@@ -73,8 +73,9 @@ class StreamStats:
 
     ``lag`` is, per owned partition, how many of its messages no consumer has been handed
     yet (the consumer group's lag), read from the broker about every second while the
-    partition is owned here; ``in_flight`` the messages read but not yet acknowledged or
-    dead-lettered here; ``retries`` the attempts made again after a failure.
+    partition is owned here (less often, up to every minute, where counting takes long:
+    on PostgreSQL, a large backlog); ``in_flight`` the messages read but not yet
+    acknowledged or dead-lettered here; ``retries`` the attempts made again after a failure.
 
     Example:
         ```pycon

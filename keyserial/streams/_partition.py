@@ -33,6 +33,12 @@ MIN_SHARE = 16
 IDLE_WAIT = 1.0
 #: How often an owner asks the broker how many of its partition's messages are unread.
 LAG_INTERVAL = 1.0
+#: The most of its time the connection those questions go on spends answering them, over
+#: all of a consumer's partitions: a question that takes long (counting a large backlog on
+#: PostgreSQL) is asked less often than every ``LAG_INTERVAL``, but at least every
+#: ``LAG_INTERVAL_MOST``.
+LAG_SHARE = 0.05
+LAG_INTERVAL_MOST = 60.0
 
 
 class NotOwned(Exception):
@@ -211,15 +217,20 @@ class PartitionWorker:
     async def _follow_lag(self) -> None:
         """Keep ``stats().lag`` of this partition current: asked at most every
         ``LAG_INTERVAL``, by the reader between its reads and waits (never a request of
-        its own to cancel)."""
-        now = asyncio.get_running_loop().time()
-        if now < self._lag_due:
+        its own to cancel); less often when the answer is slow to come (see ``LAG_SHARE``)."""
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        if asked < self._lag_due:
             return
-        self._lag_due = now + LAG_INTERVAL
+        self._lag_due = asked + LAG_INTERVAL
         try:
             self.counts.lag[self.partition] = await self.source.lag(self.partition)
         except Exception as exc:  # the broker's trouble: reads and acks report it
             logger.debug("partition %d: lag not read (%r)", self.partition, exc)
+            return
+        # Every partition of the consumer asks as often: together they keep to LAG_SHARE.
+        spaced = (loop.time() - asked) * max(1, self.in_flight.readers) / LAG_SHARE
+        self._lag_due = asked + min(max(LAG_INTERVAL, spaced), LAG_INTERVAL_MOST)
 
     async def _take_over(self, stop: asyncio.Event) -> None:
         """Run the earlier owners' unacknowledged messages first, in stream order."""
