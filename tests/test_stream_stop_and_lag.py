@@ -1,4 +1,5 @@
-"""A stop asked for before run() is kept, and stats().lag counts unread messages live."""
+"""A stop asked for before run() is kept, and stats().lag counts unread messages live, asked
+less often where counting is slow."""
 
 from __future__ import annotations
 
