@@ -55,8 +55,10 @@ KEYS = 16
 HANDLER_AWAIT = 0.005
 CONNECTIONS = 16
 #: keyserial's consumer's connections beside its pool: the listener, and the one for reads
-#: and lease renewals. The recipes get as many connections as keyserial uses in all.
+#: and lease renewals.
 OWN_CONNECTIONS = 2
+#: The recipes' connections: as many as keyserial uses in all.
+RECIPE_CONNECTIONS = CONNECTIONS + OWN_CONNECTIONS
 PARTITIONS = 16
 STREAM = "bench"
 #: The claim recipe's visibility timeout: a claim older than this is taken again.
@@ -160,11 +162,11 @@ async def _workers(
 
 
 async def skip_locked_consumer(dsn: str, stop: asyncio.Event) -> None:
-    await _workers(dsn, stop, CONNECTIONS + OWN_CONNECTIONS, _skip_locked_worker)
+    await _workers(dsn, stop, RECIPE_CONNECTIONS, _skip_locked_worker)
 
 
 async def claim_consumer(dsn: str, stop: asyncio.Event) -> None:
-    await _workers(dsn, stop, CONNECTIONS + OWN_CONNECTIONS, _claim_worker)
+    await _workers(dsn, stop, RECIPE_CONNECTIONS, _claim_worker)
 
 
 async def sequential_consumer(dsn: str, stop: asyncio.Event) -> None:
@@ -352,8 +354,8 @@ def main() -> int:
         "connections": {
             CONSUMERS[0]: f"{CONNECTIONS} (pool) + {OWN_CONNECTIONS}",
             CONSUMERS[1]: f"{CONNECTIONS} (pool) + {OWN_CONNECTIONS}",
-            CONSUMERS[2]: str(CONNECTIONS + OWN_CONNECTIONS),
-            CONSUMERS[3]: str(CONNECTIONS + OWN_CONNECTIONS),
+            CONSUMERS[2]: str(RECIPE_CONNECTIONS),
+            CONSUMERS[3]: str(RECIPE_CONNECTIONS),
             CONSUMERS[4]: "1",
         },
     }

@@ -109,6 +109,10 @@ class SlowLag:
         return 7
 
 
+#: How often the reader of ``spacing_of_lag_questions`` would ask, in seconds.
+POLL = 0.25
+
+
 async def spacing_of_lag_questions(cost: float | None, partitions: int) -> list[float]:
     """The time between the lag questions of one of ``partitions`` partitions, whose reader
     would ask every quarter of a second for two minutes."""
@@ -123,9 +127,6 @@ async def spacing_of_lag_questions(cost: float | None, partitions: int) -> list[
         await worker._follow_lag()  # pyright: ignore[reportPrivateUsage]
         await asyncio.sleep(POLL)
     return [b - a for a, b in itertools.pairwise(source.asked)]
-
-
-POLL = 0.25
 
 
 def spaced_by(spacings: list[float], seconds: float, cost: float) -> bool:
