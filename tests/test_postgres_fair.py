@@ -1,6 +1,7 @@
-"""Fair mode's own promises on PostgreSQL: a waiting call holds a ticket, not a connection;
-turns follow the tickets' order across processes whatever the pool size; a call that gives up
-leaves no ticket behind, and an idle process keeps no connection for its tickets."""
+"""Fair mode's own promises on PostgreSQL: a waiting call holds a ticket, not a connection
+(but a process's first call on a key, which waits in the server as in the default mode);
+turns follow the order of the calls across processes whatever the pool size; a call that
+gives up leaves no ticket behind, and an idle process keeps no connection for its tickets."""
 
 from __future__ import annotations
 
@@ -44,6 +45,26 @@ async def _until_tickets(pool: AsyncConnectionPool[Any], count: int) -> None:
     raise AssertionError(f"never {count} tickets in the ticket table")
 
 
+async def _waiting_in_server(pool: AsyncConnectionPool[Any]) -> int:
+    """Transactions of the test's database waiting in the server's queue for a key's lock."""
+    async with pool.connection() as conn:
+        cursor = await conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 "
+            "AND NOT granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+        row = await cursor.fetchone()
+        return 0 if row is None else int(row[0])
+
+
+async def _until_waiting_in_server(pool: AsyncConnectionPool[Any], count: int) -> None:
+    for _ in range(2000):
+        if await _waiting_in_server(pool) == count:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never {count} transactions waiting in the server's queue")
+
+
 async def _connections(pool: AsyncConnectionPool[Any]) -> int:
     """Server connections to the test's database, but the one asking."""
     async with pool.connection() as conn:
@@ -59,18 +80,24 @@ async def _connections(pool: AsyncConnectionPool[Any]) -> int:
 async def test_twenty_waiting_calls_of_four_processes_hold_tickets_and_run_in_call_order(
     pools: Pools, pool_size: int
 ) -> None:
-    # Four processes' queues (a pool each), twenty calls waiting on one held key. Each
-    # waiting call holds a ticket, not a connection: the pool's size does not matter, and
-    # the server sees a connection per process for its tickets, the holder's and the next
-    # call's, whether the pools are smaller than the waiting calls or not.
+    # Four processes' queues (a pool each), twenty calls waiting on one held key. The holder
+    # takes its turn directly (its process has no other call on the key), the next call of
+    # its process takes a ticket, and so do the other processes' calls, which find a ticket
+    # waiting: a waiting call holds a ticket, not a connection, so the pool's size does not
+    # matter. The holder has no ticket: the first two tickets' transactions wait behind it
+    # in the server. Each process has a connection for its tickets, and each pool keeps
+    # the one its process's first call asked the server with (it found a ticket, locked
+    # nothing and gave it back), or lends it for a ticket's transaction.
     watcher = await pools(max_size=1)
     processes = [await pools(min_size=0, max_size=pool_size) for _ in range(4)]
     queues = [PostgresKeyedQueue(pool, namespace="t", fair=True) for pool in processes]
     release = asyncio.Event()
+    holding = asyncio.Event()
     order: list[int] = []
     fences: list[int | None] = []
 
     async def hold() -> None:
+        holding.set()
         await release.wait()
 
     async def note(call: int) -> None:
@@ -78,18 +105,24 @@ async def test_twenty_waiting_calls_of_four_processes_hold_tickets_and_run_in_ca
         fences.append(current_fence())  # drawn once the server granted the turn
 
     holder = asyncio.create_task(queues[0].run("k", hold))
-    await _until_tickets(watcher, 1)
+    await asyncio.wait_for(holding.wait(), 10)
+    assert await _tickets(watcher) == 0, "the holder took its turn directly"
     calls = []
     for call in range(20):  # round robin over the processes, each registered before the next
         calls.append(asyncio.create_task(queues[call % 4].run("k", note, call)))
-        await _until_tickets(watcher, call + 2)
-    # Settle: the next call's transaction waits in the server behind the holder's.
+        await _until_tickets(watcher, call + 1)
+    # Settle: the first two tickets' transactions wait in the server behind the holder's.
+    await _until_waiting_in_server(watcher, 2)
     await asyncio.sleep(0.2)
+    assert await _waiting_in_server(watcher) == 2, "only the first two tickets wait in the server"
     peak = await _connections(watcher)
-    pooled = sum(pool.get_stats()["pool_size"] for pool in processes)
-    # Four ticket connections, the holder's and the next call's: six in all.
-    assert peak <= 6, f"{peak} server connections for 20 waiting calls"
-    assert pooled <= 2, f"the pools opened {pooled} connections"
+    stats = [pool.get_stats() for pool in processes]
+    lent = sum(stat["pool_size"] - stat["pool_available"] for stat in stats)
+    pooled = sum(stat["pool_size"] for stat in stats)
+    assert lent == 3, f"{lent} connections lent for the holder and the first two tickets"
+    assert pooled <= 5, f"the pools opened {pooled} connections"
+    # Four ticket connections, the holder's, the first two tickets' and two idle: nine.
+    assert peak <= 9, f"{peak} server connections for 20 waiting calls"
     release.set()
     await asyncio.wait_for(asyncio.gather(holder, *calls), 20)
     assert order == list(range(20)), list(zip(order, fences, strict=True))
@@ -105,20 +138,20 @@ async def test_a_call_that_gives_up_leaves_no_ticket_and_no_gap(pools: Pools, ho
     b = PostgresKeyedQueue(second, namespace="t", lease=10.0, fair=True)
     notes = TurnNotes()
 
-    holder = asyncio.create_task(a.run("k", notes.hold))
+    holder = asyncio.create_task(a.run("k", notes.hold))  # direct: no ticket
     await notes.until_holding()
     if how == "cancelled":
         gives_up = asyncio.create_task(a.run("k", notes.note, "gave up"))
     else:
         gives_up = asyncio.create_task(a.with_options(timeout=0.5).run("k", notes.note, "gave up"))
-    await _until_tickets(watcher, 2)
+    await _until_tickets(watcher, 1)
     later = asyncio.create_task(b.run("k", notes.note, "b"))
-    await _until_tickets(watcher, 3)
+    await _until_tickets(watcher, 2)
     if how == "cancelled":
         gives_up.cancel()
     with pytest.raises(asyncio.CancelledError if how == "cancelled" else TimeoutError):
         await gives_up
-    await _until_tickets(watcher, 2)  # its ticket was given back
+    await _until_tickets(watcher, 1)  # its ticket was given back
     notes.release.set()
     # A ticket or transaction left behind would hold the line until its lease (10 s).
     await asyncio.wait_for(asyncio.gather(holder, later), 5)
@@ -146,17 +179,25 @@ async def test_an_idle_process_closes_the_connection_of_its_tickets(pools: Pools
             await asyncio.sleep(0.01)
         raise AssertionError(f"never {count} connections")
 
+    async def two_calls() -> None:  # the second takes a ticket
+        await asyncio.gather(queue.run("k", work), queue.run("k", work))
+
+    def pooled() -> int:
+        return pool.get_stats()["pool_size"]
+
     desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
-    baseline = await _connections(watcher)
     await queue.run("k", work)
+    assert desk.connection is None, "a lone call takes no ticket"
+    await two_calls()
     assert desk.connection is not None, "the ticket connection is kept a while"
-    await until_connections(baseline)  # closed a lease after the last ticket was given back
-    assert desk.connection is None
-    await queue.run("k", work)  # and opened again for the next call
+    # Closed a lease after the last ticket was given back; the pool's connections are left.
+    await until(lambda: desk.connection is None, "the ticket connection closes")
+    await until_connections(pooled())
+    await two_calls()  # and opened again for the next ticket
     assert desk.connection is not None
     await queue.aclose()
     assert desk.connection is None and desk.task is not None and desk.task.done()
-    await until_connections(baseline)
+    await until_connections(pooled())
 
 
 async def test_tickets_lost_while_waiting_are_taken_again_in_call_order(pools: Pools) -> None:
@@ -167,9 +208,11 @@ async def test_tickets_lost_while_waiting_are_taken_again_in_call_order(pools: P
     b = PostgresKeyedQueue(second, namespace="t", lease=0.3, fair=True)
     notes = TurnNotes()
 
-    holder = asyncio.create_task(a.run("k", notes.hold))
+    holder = asyncio.create_task(a.run("k", notes.hold))  # direct: no ticket
     await notes.until_holding()
-    calls = [asyncio.create_task(b.run("k", notes.note, "b0"))]  # the next: in the server's queue
+    calls = [asyncio.create_task(a.run("k", notes.note, "a0"))]  # the next: in the server's queue
+    await _until_tickets(watcher, 1)
+    calls.append(asyncio.create_task(b.run("k", notes.note, "b0")))  # finds a0's: a ticket
     await _until_tickets(watcher, 2)
     calls += [asyncio.create_task(a.run("k", notes.note, name)) for name in ("a1", "a2")]
     await _until_tickets(watcher, 4)
@@ -193,7 +236,7 @@ async def test_tickets_lost_while_waiting_are_taken_again_in_call_order(pools: P
     await _until_tickets(watcher, 5)  # a1's and a2's again
     notes.release.set()
     await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
-    assert notes.order == ["hold", "b0", "b1", "a1", "a2"]
+    assert notes.order == ["hold", "a0", "b0", "b1", "a1", "a2"]
     await a.aclose()
     await b.aclose()
     assert await _tickets(watcher) == 0
@@ -245,9 +288,13 @@ async def test_the_ticket_connection_takes_its_owner_lock_once_an_old_session_le
     async def hold() -> None:
         await release.wait()
 
+    async def work() -> None:
+        return None
+
     async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as old:
         await old.execute("SELECT pg_advisory_lock(%s, %s)", (high, low))
         holder = asyncio.create_task(queue.run("k", hold))
+        after = asyncio.create_task(queue.run("k", work))  # takes a ticket
         await until(lambda: desk.connection is not None, "the ticket connection opens")
         assert desk.connection is not None
         pid = desk.connection.info.backend_pid
@@ -263,7 +310,7 @@ async def test_the_ticket_connection_takes_its_owner_lock_once_an_old_session_le
                 break
             await asyncio.sleep(0.01)
     release.set()
-    await holder
+    await asyncio.gather(holder, after)
     await queue.aclose()
     assert held, "the ticket connection never took its owner lock"
 

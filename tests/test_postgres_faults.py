@@ -240,10 +240,10 @@ async def test_cancelling_a_waiting_call_twice_leaves_no_session_waiting_on_the_
         await pool.open(wait=True)
         async with holding(PostgresKeyedQueue(pool, namespace="c"), "k"):
             # Separate queues: each is a process of its own, each with a wait on the server
-            # (in fair mode, only the next call's: the others wait with a ticket).
+            # (in fair mode too: each is its process's only call on the key).
             queues = [PostgresKeyedQueue(pool, namespace="c") for _ in range(8)]
             waiters = [asyncio.create_task(queue.run("k", nothing)) for queue in queues]
-            on_server = 1 if queues[0].fair else len(waiters)
+            on_server = len(waiters)
             for _ in range(200):
                 if await _waiting_on_locks(postgres_dsn, application) == on_server:
                     break

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -23,11 +24,12 @@ pytestmark = pytest.mark.asyncio
 LEASE = 0.3
 
 
-@pytest.mark.parametrize("fair", [False, True], ids=["default", "fair"])
+@pytest.mark.parametrize("mode", ["default", "fair-direct", "fair-ticket"])
 @pytest.mark.parametrize("pause", [3 * LEASE, LEASE / 2], ids=["past-the-lease", "within-it"])
 async def test_locks_granted_before_a_pause_never_start_the_function_late(
-    pools: Pools, fair: bool, pause: float
+    pools: Pools, mode: str, pause: float
 ) -> None:
+    fair = mode != "default"
     a = PostgresKeyedQueue(await pools(), namespace="t", lease=LEASE, fair=fair)
     b = PostgresKeyedQueue(await pools(), namespace="t", lease=LEASE, fair=fair)
     release = asyncio.Event()
@@ -42,29 +44,41 @@ async def test_locks_granted_before_a_pause_never_start_the_function_late(
         return time.monotonic()
 
     # The waiter's process stops just as its locks are granted: the server's idle timer of
-    # its transaction runs on meanwhile. (Fair mode begins a turn from its ticket.)
-    begin = b._turns.early.begin if fair else b._turns.begin
+    # its transaction runs on meanwhile. In fair mode a process's only call on the key takes
+    # its turn directly; a call that finds a ticket waiting begins its turn from a ticket.
     paused_until: list[float] = []
 
-    async def paused_begin(*args: Any, **kwargs: Any) -> PgTurn:
-        turn = await begin(*args, **kwargs)
-        if not paused_until:
-            paused_until.append(time.monotonic() + pause)
-            time.sleep(pause)  # noqa: ASYNC251 (the process stops: its loop with it)
-        return turn
+    def pausing(begin: Callable[..., Awaitable[PgTurn | None]]) -> Any:
+        async def paused_begin(*args: Any, **kwargs: Any) -> PgTurn | None:
+            turn = await begin(*args, **kwargs)
+            if not paused_until:
+                paused_until.append(time.monotonic() + pause)
+                time.sleep(pause)  # noqa: ASYNC251 (the process stops: its loop with it)
+            return turn
 
-    if fair:
-        b._turns.early.begin = paused_begin
+        return paused_begin
+
+    if mode == "fair-ticket":
+        b._turns.early.begin = pausing(b._turns.early.begin)
+    elif mode == "fair-direct":
+        b._turns.early.begin_direct = pausing(b._turns.early.begin_direct)
     else:
-        b._turns.begin = paused_begin  # type: ignore[method-assign]
+        b._turns.begin = pausing(b._turns.begin)  # type: ignore[method-assign]
     holder = asyncio.create_task(a.run("k", hold))
     await until(lambda: len(fences) == 1, "the holder starts")
+    calls: list[asyncio.Task[Any]] = [holder]
+    if mode == "fair-ticket":  # a's next call takes a ticket, and b's finds it
+        calls.append(asyncio.create_task(a.run("k", note)))
+        await until(lambda: a.stats().waiting == 1, "a's next call registers")
+        await asyncio.sleep(LEASE / 2)  # its ticket reaches the server
     waiter = asyncio.create_task(b.run("k", note))
     await until(lambda: b.stats().running == 1, "the waiter registers")
     await asyncio.sleep(LEASE / 2)  # its lock request reaches the server's queue
     release.set()
     started = await asyncio.wait_for(waiter, 10)  # no LeaseExpired: it never started late
-    await holder
+    await asyncio.gather(*calls)
     assert paused_until and started >= paused_until[0]
+    assert len(fences) == len(calls) + 1
+    fences = fences[len(calls) - 1 :]  # the holder's, or a's next call's; the waiter's
     first, second = fences
     assert first is not None and second is not None and second > first

@@ -37,17 +37,21 @@ class EarlyTurn:
     """One call's turn in fair mode, from its registration until the call takes it up.
 
     The desk alone writes ``ticket``, ``retry`` and ``verdict`` (the latest answer, which
-    replaces one not read yet: it is the newer word) and sets ``answered``; the begin task
-    alone reads the verdict and writes ``begun`` and ``since``; the call's side alone writes
-    ``taken`` and ``withdrawn``.
+    replaces one not read yet: it is the newer word) and sets and clears ``answered``; the
+    begin task alone reads the verdict and writes ``begun`` and ``since``; the call's side
+    (``EarlyTurns``) alone writes ``direct``, ``after``, ``taken`` and ``withdrawn``, and
+    sets ``placed``.
     """
 
     __slots__ = (
+        "after",
         "answered",
         "begin",
         "begun",
+        "direct",
         "keys",
         "order",
+        "placed",
         "retry",
         "since",
         "taken",
@@ -70,6 +74,13 @@ class EarlyTurn:
         self.begun = False  # its transaction was asked for, on a connection of the pool
         self.taken = False
         self.withdrawn = False
+        #: A direct turn (no ticket: see _early) until it takes a ticket instead.
+        self.direct = False
+        #: Set once a direct turn holds its locks, took a ticket, or ended.
+        self.placed = asyncio.Event()
+        #: This process's direct turns on the same keys, made earlier and not placed yet
+        #: when this ticket was taken: its transaction begins only once they are placed.
+        self.after: list[EarlyTurn] = []
 
     def answer(self, verdict: str | BaseException) -> None:
         self.verdict = verdict
@@ -81,12 +92,13 @@ class EarlyTurn:
         Raises:
             PostgresUnavailable, SetupRequired: the desk could not ask.
         """
-        await self.answered.wait()
-        self.answered.clear()
-        verdict, self.verdict = self.verdict, None
+        verdict = None
+        while verdict is None:  # None: the answer was taken back (see `register_again`)
+            await self.answered.wait()
+            self.answered.clear()
+            verdict, self.verdict = self.verdict, None
         if isinstance(verdict, BaseException):
             raise verdict
-        assert verdict is not None
         return verdict
 
 
@@ -111,6 +123,12 @@ class TicketDesk:
         #: order -> turns whose verdict was ``wait``: asked again when their keys' lines move.
         self.parked: dict[int, EarlyTurn] = {}
         self.unregistered: list[EarlyTurn] = []
+        #: order -> turns whose registration is on its way to the server, in the batch
+        #: being sent.
+        self.registering: dict[int, EarlyTurn] = {}
+        #: Orders of turns of that batch that must take new tickets once it is back (see
+        #: `register_again`).
+        self.again: set[int] = set()
         self.to_ask: dict[int, EarlyTurn] = {}
         self.to_give_back: dict[int, tuple[int, ...]] = {}  # ticket -> its locks
         self.task: Task | None = None
@@ -154,7 +172,12 @@ class TicketDesk:
         asyncio.get_running_loop().call_later(delay, self.ask, early)
 
     def register_again(self, lost: EarlyTurn) -> None:
-        """``lost`` and this process's later turns not begun take new tickets, in order."""
+        """``lost`` and this process's later turns not begun take new tickets, in order.
+
+        A process's tickets keep the order of its calls: a later turn whose registration is
+        on its way takes a new ticket once its first is known.
+        """
+        self.again.update(order for order in self.registering if order > lost.order)
         for early in list(self.live.values()):
             if early.order < lost.order or early.begun or early.ticket is None:
                 continue
@@ -162,6 +185,8 @@ class TicketDesk:
             self.to_ask.pop(early.order, None)
             self.to_give_back[early.ticket] = tuple(early.keys)
             early.ticket = None  # its begin task waits for the verdict of its new ticket
+            early.verdict = None  # an answer not read yet was its old ticket's
+            early.answered.clear()
             self.unregistered.append(early)
         self.unregistered.sort(key=lambda early: early.order)
         self._poke()
@@ -308,6 +333,7 @@ class TicketDesk:
         giving, self.to_give_back = self.to_give_back, {}
         registering = [early for early in self.unregistered if not early.withdrawn]
         self.unregistered = []
+        self.registering = {early.order: early for early in registering}
         asking = [e for e in self.to_ask.values() if e.ticket is not None and not e.begun]
         self.to_ask = {}
         statements: list[sql.Composable] = []
@@ -342,6 +368,7 @@ class TicketDesk:
             cursor = await connection.execute(sql.SQL("; ").join(statements))
             results = await _results(cursor)
         except (psycopg.OperationalError, psycopg.InterfaceError):
+            self._sent()
             self.unregistered[:0] = registering  # asked again on the next connection
             for early in asking:
                 self.ask(early)
@@ -349,6 +376,7 @@ class TicketDesk:
                 self.to_give_back.setdefault(ticket, held)
             raise
         except psycopg.Error as exc:
+            self._sent()
             if connection.info.transaction_status != TransactionStatus.IDLE:
                 await connection.execute("ROLLBACK")
             error: BaseException = PostgresUnavailable(f"fair mode's tickets failed: {exc}")
@@ -363,11 +391,17 @@ class TicketDesk:
         verdicts: dict[int, str] = {}
         for kind, rows in zip(kinds, results, strict=True):
             if kind == "new verdicts":  # in ticket order, which is registration order
+                again = self._sent()
                 for early, (ticket, verdict) in zip(registering, rows, strict=True):
                     early.ticket = int(ticket)
                     verdicts[early.ticket] = str(verdict)
                     if early.order not in self.live:  # its call ended meanwhile
                         self.to_give_back[early.ticket] = tuple(early.keys)
+                    elif early.order in again:  # an earlier turn took a ticket meanwhile
+                        self.to_give_back[early.ticket] = tuple(early.keys)
+                        early.ticket = None
+                        self.unregistered.append(early)
+                self.unregistered.sort(key=lambda early: early.order)
             elif kind == "verdicts":
                 verdicts.update((int(ticket), str(verdict)) for ticket, verdict in rows)
         for asked in registering + asking:
@@ -382,6 +416,12 @@ class TicketDesk:
             else:
                 asked.retry = FIRST_RETRY
             asked.answer(verdict)
+
+    def _sent(self) -> set[int]:
+        """The batch is back (or failed): the orders of its turns to register again."""
+        again, self.again = self.again, set()
+        self.registering = {}
+        return again
 
     async def _heartbeat(self, connection: AsyncConnection[Any]) -> None:
         mine = [e.ticket for e in self.live.values() if e.ticket is not None]

@@ -2,11 +2,22 @@
 
 In the default mode only the first call of a key in a process waits in the database, so a
 later call of another process can take the lock before an earlier call still queued here.
-With ``fair=True`` every call takes a ticket when it registers: one row ``(lock, ticket,
-owner, seen)`` per key in the ticket table, ``<table>_tq``, the ticket drawn from the
-queue's sequence. Tickets order the calls of all processes by when their registration
-reached the server. A call begins its turn's transaction only once its ticket is at the
-head of each of its keys' lines, as the ticket's *verdict* says:
+
+With ``fair=True`` a call whose process has no other call on its keys takes a *direct* turn:
+its transaction asks, in the same round trip as its locks, whether a call of another process
+holds a ticket on one of its keys' lines, and locks them only if none does. It then waits in
+the server's queue, as in the default mode: that queue keeps the order in which such calls
+reached the server, and each process has at most one of them on a key. If a ticket is
+there, the call locks nothing and takes a ticket instead.
+
+Every other call takes a ticket when it registers: one row ``(lock, ticket, owner, seen)``
+per key in the ticket table, ``<table>_tq``, the ticket drawn from the queue's sequence.
+Tickets order the calls by when their registration reached the server: once a ticket waits
+on a key, every process's new call on it takes a ticket after it. A ticket's turn begins its
+transaction only once the ticket is at the head of each of its keys' lines, as its
+*verdict* says, and once the direct turns its process made before it on the same keys hold
+their locks (its transaction must not reach the server's queue ahead of theirs: it would
+hold the keys while its call waits in this process for theirs):
 
 * ``go``: no live ticket is ahead, or only one, whose transaction is already in the
   server's lock queue for the key (holding it or waiting for it). The turn begins and waits
@@ -19,12 +30,15 @@ head of each of its keys' lines, as the ticket's *verdict* says:
   (it is on its way): asked again shortly, then less and less often;
 * ``lost``: the row is gone (its process was stopped for so long that another process
   cleared it): it registers again, with its process's later waiting tickets, in call order.
+  A direct turn that takes a ticket after all does the same: its process's later tickets
+  register again after it.
 
 A ticket is live while its process's desk (below) holds its session's advisory lock, the
 *owner lock*, and its heartbeat refreshes ``seen`` every third of the lease: the tickets of
 a process that died are skipped at once (its sessions end with it), those of a process
-that stopped a lease later. So at most two transactions of a key are open at a time, the
-holder's and the next call's; every other waiting call holds only its row. Whether a
+that stopped a lease later. So a key has open transactions for at most its direct turns
+(one per process), the holder's and the next ticket's; every other waiting call holds only
+its row. Whether a
 ticket's transaction is in the server's lock queue is read in ``pg_locks``: the transaction
 first takes a try-lock whose two-int key is its ticket, then the keys' locks, on the same
 backend.
@@ -56,7 +70,8 @@ class EarlyTurns:
     """Fair mode's turns of one queue in this process, from the calls' side.
 
     Its ``desk`` keeps the tickets. ``begin`` begins a ticket's transaction
-    (``PostgresTurns.begin_ticket``), ``rollback`` ends one without keeping anything.
+    (``PostgresTurns.begin_ticket``), ``begin_direct`` a direct turn's
+    (``PostgresTurns.begin_direct``), ``rollback`` ends one without keeping anything.
     """
 
     def __init__(
@@ -66,33 +81,95 @@ class EarlyTurns:
         schema: str | None,
         lease: float,
         begin: Callable[[EarlyTurn], Awaitable[PgTurn]],
+        begin_direct: Callable[
+            [Mapping[int, Hashable], float | None, asyncio.AbstractEventLoop],
+            Awaitable[PgTurn | None],
+        ],
         rollback: Callable[[PgTurn], Awaitable[None]],
     ) -> None:
         self.lease = lease
         self.begin = begin
+        self.begin_direct = begin_direct
         self.rollback = rollback
         self.desk = TicketDesk(pool, table, schema, lease)
         self.numbers = itertools.count()
+        #: lock id -> how many of this process's calls on it are registered and not withdrawn.
+        self.calls_on: dict[int, int] = {}
+        #: order -> direct turns not placed yet (see `EarlyTurn.placed`).
+        self.unplaced: dict[int, EarlyTurn] = {}
         #: Turns given up and being rolled back, running on their own.
         self.background = Background("fair mode's background work")
 
     def register(self, keys: Mapping[int, Hashable]) -> EarlyTurn:
-        """Take a ticket for a call registering now, and begin its turn once the ticket's
-        verdict says so.
+        """The fair turn of a call registering now: direct if this process has no other call
+        on its keys, else with a ticket, whose turn begins once its verdict says so.
 
-        The call takes it up with `take_up` when its turn in this process comes, or gives it
-        up with `withdraw`; one of the two must follow, then `withdraw` gives the ticket back.
+        The call then takes its turn with `take_direct` (which may take a ticket after all)
+        or `take_up`; in all cases `withdraw` follows when the call ends, and gives the
+        ticket back.
         """
         early = EarlyTurn(keys, next(self.numbers))
+        calls_on = self.calls_on
+        if any(lock in calls_on for lock in keys):
+            early.after = [
+                direct
+                for direct in self.unplaced.values()
+                if any(lock in direct.keys for lock in keys)
+            ]
+            self._ticket(early)
+        else:
+            early.direct = True
+            self.unplaced[early.order] = early
+        for lock in keys:
+            calls_on[lock] = calls_on.get(lock, 0) + 1
+        return early
+
+    def _ticket(self, early: EarlyTurn) -> None:
         self.desk.enrol(early)
         early.begin = asyncio.get_running_loop().create_task(self._begin_early(early))
-        return early
+
+    async def take_direct(
+        self, early: EarlyTurn, deadline: float | None, loop: asyncio.AbstractEventLoop
+    ) -> PgTurn | None:
+        """The direct turn of ``early``, or None once it took a ticket instead, because
+        another process's call waits with one on its keys (`take_up` then takes its turn).
+
+        Raises:
+            As ``PostgresTurns.begin``.
+        """
+        try:
+            turn = await self.begin_direct(early.keys, deadline, loop)
+        except BaseException:
+            self.placed(early)
+            raise
+        if turn is None:
+            self.take_ticket(early)
+        else:
+            self.placed(early)
+        return turn
+
+    def placed(self, early: EarlyTurn) -> None:
+        """``early``'s direct turn holds its locks, or ended: the process's later tickets on
+        its keys may begin their turns."""
+        self.unplaced.pop(early.order, None)
+        early.placed.set()
+
+    def take_ticket(self, early: EarlyTurn) -> None:
+        """``early``'s direct turn found another process's call waiting with a ticket: it
+        takes a ticket now, and this process's later calls take theirs again after it, so
+        that its tickets keep the order of its calls."""
+        early.direct = False
+        self._ticket(early)
+        self.desk.register_again(early)
+        self.placed(early)
 
     async def _begin_early(self, early: EarlyTurn) -> PgTurn:
         loop = asyncio.get_running_loop()
         while True:
             verdict = await early.next_verdict()
             if verdict == "go":
+                if early.after and await self._held_back(early):
+                    continue  # it took a new ticket meanwhile: the verdict was the old one's
                 early.begun = True
                 early.since = loop.time()
                 return await self.begin(early)
@@ -100,6 +177,19 @@ class EarlyTurns:
                 self.desk.register_again(early)
             # wait: the desk parked it, and a notification or the heartbeat asks again;
             # soon: the desk asks again shortly
+
+    async def _held_back(self, early: EarlyTurn) -> bool:
+        """Wait until the direct turns ``early`` comes after are placed; whether ``early``
+        took a new ticket meanwhile (one of them took a ticket, before it).
+
+        Its transaction must not reach the server's queue before theirs: it would hold the
+        keys while its call waits in this process for theirs.
+        """
+        ticket = early.ticket
+        after, early.after = early.after, []
+        for direct in after:
+            await direct.placed.wait()
+        return early.ticket != ticket
 
     async def withdraw(self, early: EarlyTurn) -> None:
         """The call of ``early`` ended: stop its turn, roll back its transaction if it holds
@@ -124,6 +214,16 @@ class EarlyTurns:
         if early.withdrawn:
             return None
         early.withdrawn = True
+        calls_on = self.calls_on
+        for lock in early.keys:
+            left = calls_on[lock] - 1
+            if left:
+                calls_on[lock] = left
+            else:
+                del calls_on[lock]
+        if early.direct:
+            self.placed(early)
+            return None  # it holds no ticket
         return self.background.spawn(self._give_up(early))
 
     async def _give_up(self, early: EarlyTurn) -> None:

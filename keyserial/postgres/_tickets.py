@@ -24,6 +24,11 @@ _LOW31 = (1 << 31) - 1
 _LOW32 = (1 << 32) - 1
 
 
+#: The setting, local to a direct turn's transaction, that says whether another process's call
+#: waits with a ticket on the turn's keys (``'true'``: the turn locks nothing).
+OTHERS_WAITING = "keyserial.others_waiting"
+
+
 def ticket_lock(ticket: int) -> tuple[int, int]:
     """The two-int advisory try-lock that marks a ticket's transaction in ``pg_locks``.
 
@@ -107,6 +112,22 @@ class TicketSql:
             "WHEN EXISTS (SELECT 1 {ahead} AND NOT EXISTS ({in_server})) THEN 'soon' "
             "ELSE 'go' END"
         ).format(t=self.table, ticket=ticket, owner=self.owner, ahead=ahead, in_server=in_server)
+
+    def others_waiting(self, locks: list[int]) -> sql.Composed:
+        """Note in the transaction's setting `OTHERS_WAITING` whether a call of another process
+        holds a fresh ticket on any of ``locks``' lines: a direct turn then locks nothing (see
+        ``_early``)."""
+        return sql.SQL(
+            "SELECT set_config({setting}, EXISTS (SELECT 1 FROM {t} "
+            "WHERE lock = ANY({locks}::bigint[]) AND owner <> {owner} "
+            "AND seen > clock_timestamp() - {lease}::interval)::text, true)"
+        ).format(
+            setting=sql.Literal(OTHERS_WAITING),
+            t=self.table,
+            locks=sql.Literal(locks),
+            owner=self.owner,
+            lease=self.lease,
+        )
 
     def registering(self, locks: list[int]) -> sql.Composed:
         """Take the registration locks of ``locks``' lines, in order, for the transaction.

@@ -34,8 +34,8 @@ from ._errors import (
     TurnRolledBack,
     naming,
 )
-from ._setup import ensure_sequence, sequence
-from ._tickets import ticket_lock
+from ._setup import ensure_sequence, ensure_ticket_table, sequence
+from ._statements import TurnSql, milliseconds
 from ._turn import PgTurn, SessionKeeper
 
 Task = asyncio.Task[Any]
@@ -64,21 +64,6 @@ async def _cancelled_once(statements: Coroutine[Any, Any, T]) -> T:
         raise
 
 
-#: The first server version with ``client_connection_check_interval`` (PostgreSQL 14).
-_CHECKS_CLIENT = 140000
-
-
-def _milliseconds(seconds: float) -> str:
-    return f"{max(1, int(seconds * 1000))}ms"
-
-
-def _setting(name: str, seconds: float) -> sql.Composed:
-    """``SELECT set_config(name, '...ms', true)``: a setting of the turn's transaction only."""
-    return sql.SQL("SELECT set_config({}, {}, true)").format(
-        sql.Literal(name), sql.Literal(_milliseconds(seconds))
-    )
-
-
 class PostgresTurns:
     """Turns of one queue's keys, as transactions on connections of the application's pool."""
 
@@ -97,8 +82,6 @@ class PostgresTurns:
         self.schema = schema
         self.sequence = sequence(table, schema)
         self.lease = lease
-        #: How often a statement running in a turn checks that its client is still there.
-        self.check_interval = min(1.0, lease / 3)
         #: Whether the fence sequence is known to exist.
         self.table_ready = False
         #: task -> the turn it holds: a call of that task for another key locks it in the
@@ -113,11 +96,11 @@ class PostgresTurns:
         self.timed_out: weakref.WeakKeyDictionary[AsyncConnection[Any], str] = (
             weakref.WeakKeyDictionary()
         )
-        self.next_fence = sql.SQL("SELECT nextval({})").format(
-            sql.Literal(self.sequence.as_string(None))
-        )
+        self.sql = TurnSql(self.sequence, lease)
         #: Fair mode's tickets, and the turns they begin (see _early).
-        self.early = EarlyTurns(pool, table, schema, lease, self.begin_ticket, self.rollback)
+        self.early = EarlyTurns(
+            pool, table, schema, lease, self.begin_ticket, self.begin_direct, self.rollback
+        )
 
     async def begin(
         self,
@@ -134,6 +117,36 @@ class PostgresTurns:
         to the pool's size.
 
         Raises:
+            As `_begin`.
+        """
+        turn = await self._begin(keys, deadline, loop, ticket, direct=False)
+        assert turn is not None  # only a direct turn locks nothing
+        return turn
+
+    async def begin_direct(
+        self, keys: Mapping[int, Hashable], deadline: float | None, loop: asyncio.AbstractEventLoop
+    ) -> PgTurn | None:
+        """Fair mode's direct turn (see _early): ``begin``, in the same round trip, unless a
+        call of another process waits with a ticket on one of ``keys``' lines; then None,
+        holding nothing.
+
+        Raises:
+            As `_begin`.
+        """
+        return await self._begin(keys, deadline, loop, None, direct=True)
+
+    async def _begin(
+        self,
+        keys: Mapping[int, Hashable],
+        deadline: float | None,
+        loop: asyncio.AbstractEventLoop,
+        ticket: int | None,
+        *,
+        direct: bool,
+    ) -> PgTurn | None:
+        """``begin``, or ``begin_direct`` if ``direct``.
+
+        Raises:
             TimeoutError: the deadline passed (waiting for a connection or for the locks).
             RuntimeError: the pool is not open (never opened, or closed already).
             PoolExhausted: no connection of the pool came free within the pool's timeout.
@@ -146,9 +159,11 @@ class PostgresTurns:
             try:
                 if not self.table_ready:
                     await ensure_sequence(connection, self.table, self.schema)
+                    if self.fair:  # a direct turn reads the ticket table
+                        await ensure_ticket_table(connection, self.table, self.schema)
                     self.table_ready = True
                 fence = await self._statements(
-                    connection, keys, deadline, loop, begin=True, ticket=ticket
+                    connection, keys, deadline, loop, begin=True, ticket=ticket, direct=direct
                 )
             except (PostgresUnavailable, psycopg.OperationalError) as exc:
                 await self._discard(connection)
@@ -160,6 +175,9 @@ class PostgresTurns:
             except BaseException:
                 await self._discard(connection)
                 raise
+            if fence is None:  # another process's call waits with a ticket: nothing is held
+                await self._discard(connection)
+                return None
             return PgTurn(connection, fence, set(keys), ticket)
         raise AssertionError("unreachable")
 
@@ -249,6 +267,7 @@ class PostgresTurns:
     ) -> int:
         """Lock more ``keys`` in ``turn``'s transaction (a nested call); their first fence."""
         fence = await self._statements(turn.connection, keys, deadline, loop, begin=False)
+        assert fence is not None  # only a direct turn locks nothing
         turn.keys.update(keys)
         return fence
 
@@ -261,14 +280,15 @@ class PostgresTurns:
         *,
         begin: bool,
         ticket: int | None = None,
-    ) -> int:
-        """Run the turn's statements; its fence."""
+        direct: bool = False,
+    ) -> int | None:
+        """Run the turn's statements; its fence, or None if a ``direct`` turn locked nothing."""
         lock_timeout = "0"  # wait as long as it takes
         if deadline is not None:
             left = deadline - loop.time()
             if left <= 0:
                 raise TimeoutError(f"timed out waiting for the turn of {naming(keys)}")
-            lock_timeout = _milliseconds(left)
+            lock_timeout = milliseconds(left)
         try:
             if begin:
                 # The turn sends BEGIN itself, in its first query: psycopg's implicit BEGIN would
@@ -276,8 +296,11 @@ class PostgresTurns:
                 # the connection goes back to the pool.
                 self.autocommit[id(connection)] = connection.autocommit
                 await connection.set_autocommit(True)
-            statements = self._lock_statements(connection, keys, lock_timeout, begin, ticket)
-            last = await _cancelled_once(statements)
+            others = self.early.desk.sql.others_waiting(sorted(keys)) if direct else None
+            statements = self.sql.first(
+                sorted(keys), lock_timeout, connection.info.server_version, begin, ticket, others
+            )
+            last = await _cancelled_once(_last_row(connection, statements))
         except psycopg.errors.LockNotAvailable as exc:
             raise TimeoutError(f"timed out waiting for the turn of {naming(keys)}") from exc
         except psycopg.errors.DeadlockDetected as exc:
@@ -290,53 +313,9 @@ class PostgresTurns:
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
         assert last is not None
+        if direct and last[1] != "false":
+            return None
         return int(last[0])
-
-    async def _lock_statements(
-        self,
-        connection: AsyncConnection[Any],
-        keys: Mapping[int, Hashable],
-        lock_timeout: str,
-        begin: bool,
-        ticket: int | None,
-    ) -> tuple[Any, ...] | None:
-        """One round trip: BEGIN, the turn's settings, the locks, the fence; the fence's row.
-
-        A fair-mode ``ticket``'s try-lock comes before the keys' locks (see _early).
-
-        Sent as one simple query of several statements, not in pipeline mode: the server
-        arms its idle-in-transaction timer after a simple query, but not after the Sync
-        that ends a pipeline, and without that timer a holder stopped before its first
-        statement would keep the key for as long as it stays stopped.
-        """
-        statements: list[sql.Composable] = []
-        if begin:
-            statements.append(sql.SQL("BEGIN"))
-            statements.append(_setting("idle_in_transaction_session_timeout", self.lease))
-            if connection.info.server_version >= _CHECKS_CLIENT:
-                # A holder killed inside a long statement closes its socket; the server
-                # notices within this interval and ends the turn, instead of when the
-                # statement ends.
-                statements.append(_setting("client_connection_check_interval", self.check_interval))
-        statements.append(
-            sql.SQL("SELECT set_config('lock_timeout', {}, true)").format(sql.Literal(lock_timeout))
-        )
-        if ticket is not None:
-            statements.append(
-                sql.SQL("SELECT pg_try_advisory_xact_lock({}, {})").format(
-                    *map(sql.Literal, ticket_lock(ticket))
-                )
-            )
-        statements.extend(
-            sql.SQL("SELECT pg_advisory_xact_lock({})").format(sql.Literal(key))
-            for key in sorted(keys)
-        )
-        statements.append(sql.SQL("SET LOCAL lock_timeout TO DEFAULT"))
-        statements.append(self.next_fence)  # after the locks: ordered
-        cursor = await connection.execute(sql.SQL("; ").join(statements))
-        while cursor.nextset():  # the fence is the last statement's row
-            pass
-        return await cursor.fetchone()
 
     async def commit(self, turn: PgTurn, *, stalled: bool = False) -> None:
         """End the turn: commit its transaction (the locks go with it), give the connection back.
@@ -432,11 +411,16 @@ class PostgresTurns:
                 return outer, None
             fence = await self.extend(outer, missing, deadline, loop)
             return PgTurn(outer.connection, fence, outer.keys), None  # commits with the outer
-        if early is not None and early.begin is not None:
+        since = loop.time()  # before the turn's first query: its idle timer starts later
+        direct: PgTurn | None = None
+        if early is not None and early.direct:
+            direct = await self.early.take_direct(early, deadline, loop)
+        if direct is not None:
+            turn = direct
+        elif early is not None:
             turn = await self.early.take_up(early, deadline, loop)
             since = early.since
         else:
-            since = loop.time()  # before the turn's first query: its idle timer starts later
             turn = await self.begin(keys, deadline, loop)
         turn, since = await self._confirmed(turn, since, keys, deadline, loop)
         self.held[task] = turn
@@ -494,6 +478,16 @@ class PostgresTurns:
             await self.rollback(turn)
         else:
             await self.commit(turn, stalled=stalled)
+
+
+async def _last_row(
+    connection: AsyncConnection[Any], query: sql.Composed
+) -> tuple[Any, ...] | None:
+    """Send ``query`` (several statements, as one simple query); its last statement's row."""
+    cursor = await connection.execute(query)
+    while cursor.nextset():
+        pass
+    return await cursor.fetchone()
 
 
 def turn_error(exc: BaseException, turn: PgTurn, keeper: SessionKeeper | None) -> BaseException:

@@ -1,0 +1,182 @@
+"""Fair mode's direct turns on PostgreSQL: a process's only call on a key waits in the server's
+queue without a ticket, as in the default mode; its later calls take tickets, and so does any
+call that finds another process's ticket waiting, without ever overtaking the calls of its
+own process made before it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from keyserial.postgres import PostgresKeyedQueue
+from keyserial.postgres._turn import PgTurn
+
+from .conftest import Pools
+from .redis_helpers import until
+from .turn_notes import TurnNotes
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _count(pool: AsyncConnectionPool[Any], query: str) -> int:
+    async with pool.connection() as conn:
+        cursor = await conn.execute(query)  # pyright: ignore[reportArgumentType]
+        row = await cursor.fetchone()
+        return 0 if row is None else int(row[0])
+
+
+_TABLE_MADE = "SELECT count(*) FROM pg_class WHERE relname = 'keyserial_fences_tq'"
+
+
+async def _tickets(pool: AsyncConnectionPool[Any]) -> int:
+    """How many calls hold a ticket (0 if no process made the ticket table yet)."""
+    if not await _count(pool, _TABLE_MADE):
+        return 0
+    return await _count(pool, "SELECT count(DISTINCT ticket) FROM keyserial_fences_tq")
+
+
+async def _waiting_in_server(pool: AsyncConnectionPool[Any]) -> int:
+    """Transactions of the test's database waiting in the server's queue for a key's lock."""
+    return await _count(
+        pool,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 "
+        "AND NOT granted "
+        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+
+
+async def _until(pool: AsyncConnectionPool[Any], what: str, count: int) -> None:
+    """Wait until ``count`` calls hold tickets (``what`` "tickets") or wait in the server."""
+    ask = _tickets if what == "tickets" else _waiting_in_server
+    for _ in range(2000):
+        if await ask(pool) == count:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never {count} {what}")
+
+
+def _slowed(queue: PostgresKeyedQueue) -> asyncio.Event:
+    """Hold ``queue``'s direct turns back before their first query until the event is set, as
+    a slow network would."""
+    go_on = asyncio.Event()
+    early = queue._turns.early  # pyright: ignore[reportPrivateUsage]
+    begin_direct = early.begin_direct
+
+    async def slow(
+        keys: Mapping[int, Hashable], deadline: float | None, loop: asyncio.AbstractEventLoop
+    ) -> PgTurn | None:
+        await go_on.wait()
+        return await begin_direct(keys, deadline, loop)
+
+    early.begin_direct = slow
+    return go_on
+
+
+async def test_each_process_s_only_call_waits_in_the_server_in_call_order(pools: Pools) -> None:
+    watcher = await pools(max_size=1)
+    queues = [PostgresKeyedQueue(await pools(), namespace="t", fair=True) for _ in range(4)]
+    notes = TurnNotes()
+
+    holder = asyncio.create_task(queues[0].run("k", notes.hold))
+    await notes.until_holding()
+    calls = []
+    for process in (1, 2, 3):
+        calls.append(asyncio.create_task(queues[process].run("k", notes.note, f"p{process}")))
+        await _until(watcher, "waiting", process)
+    assert await _tickets(watcher) == 0
+    for queue in queues:  # no connection for tickets either
+        assert queue._turns.early.desk.task is None  # pyright: ignore[reportPrivateUsage]
+    notes.release.set()
+    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    assert notes.order == ["hold", "p1", "p2", "p3"]
+    for queue in queues:
+        await queue.aclose()
+
+
+async def test_a_ticket_never_reaches_the_server_ahead_of_its_process_s_direct_turn(
+    pools: Pools,
+) -> None:
+    # a1 takes its turn directly, but its first query is slow to reach the server; a2, a's
+    # next call, takes a ticket, which is at the head of the line. a2's transaction must
+    # wait until a1's is in the server's queue: ahead of it, it would hold the key while a2's
+    # call waits in the process for a1's, and a1's transaction waits in the server for a2's.
+    watcher = await pools(max_size=1)
+    a = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
+    b = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
+    notes = TurnNotes()
+    go_on = _slowed(a)
+
+    holder = asyncio.create_task(b.run("k", notes.hold))
+    await notes.until_holding()
+    first = asyncio.create_task(a.run("k", notes.note, "a1"))
+    await until(lambda: a.stats().running == 1, "a1 begins its turn")
+    second = asyncio.create_task(a.run("k", notes.note, "a2"))
+    await _until(watcher, "tickets", 1)
+    await asyncio.sleep(0.2)  # a2's verdict comes back: it is first in line
+    assert await _waiting_in_server(watcher) == 0, "a2's transaction went ahead of a1's"
+    notes.release.set()
+    await holder
+    go_on.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert notes.order == ["hold", "a1", "a2"]
+    await a.aclose()
+    await b.aclose()
+    assert await _tickets(watcher) == 0
+
+
+async def test_a_direct_turn_that_finds_a_ticket_takes_one_before_its_process_s_later_calls(
+    pools: Pools,
+) -> None:
+    # b1 waits in the server behind c's holder, b2 with a ticket. a1's first query reaches
+    # the server only after a2 took its ticket: a1 finds b2's, takes a ticket itself, and
+    # a2 takes a new one after a1's.
+    watcher = await pools(max_size=1)
+    a, b, c = [PostgresKeyedQueue(await pools(), namespace="t", fair=True) for _ in range(3)]
+    notes = TurnNotes()
+    go_on = _slowed(a)
+
+    holder = asyncio.create_task(c.run("k", notes.hold))
+    await notes.until_holding()
+    calls = [asyncio.create_task(b.run("k", notes.note, "b1"))]
+    await _until(watcher, "waiting", 1)
+    calls.append(asyncio.create_task(b.run("k", notes.note, "b2")))
+    await _until(watcher, "tickets", 1)
+    calls.append(asyncio.create_task(a.run("k", notes.note, "a1")))
+    await until(lambda: a.stats().running == 1, "a1 begins its turn")
+    calls.append(asyncio.create_task(a.run("k", notes.note, "a2")))
+    await _until(watcher, "tickets", 2)
+    go_on.set()
+    await _until(watcher, "tickets", 3)  # b2's, a1's and a2's new one
+    notes.release.set()
+    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    assert notes.order == ["hold", "b1", "b2", "a1", "a2"]
+    for queue in (a, b, c):
+        await queue.aclose()
+    assert await _tickets(watcher) == 0
+
+
+async def test_bursts_of_calls_of_several_processes_on_one_key_all_run_in_each_s_order(
+    pools: Pools,
+) -> None:
+    # Each process makes eight calls at once, four times: its first takes its turn directly
+    # while its later ones take tickets, and while others' tickets are taken and given
+    # back. Every call runs, each process's in the order it made them.
+    queues = [PostgresKeyedQueue(await pools(), namespace="t", fair=True) for _ in range(3)]
+    started: list[list[int]] = [[] for _ in queues]
+
+    async def note(process: int, call: int) -> None:
+        started[process].append(call)
+
+    async def bursts(process: int) -> None:
+        for burst in range(4):
+            calls = range(burst * 8, burst * 8 + 8)
+            await asyncio.gather(*(queues[process].run("k", note, process, c) for c in calls))
+
+    await asyncio.wait_for(asyncio.gather(*(bursts(p) for p in range(len(queues)))), 30)
+    assert started == [list(range(32))] * len(queues)
+    for queue in queues:
+        await queue.aclose()
