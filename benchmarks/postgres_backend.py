@@ -362,7 +362,7 @@ def main() -> int:
         "machine CPU ms per hand-off turn": {n: _milliseconds(cpu[n]) for n in LIBRARIES},
         "connections per waiting call": {
             LIBRARIES[0]: "one per key and process",
-            LIBRARIES[1]: "none (the next call's: one)",
+            LIBRARIES[1]: "a process's only call: one per key; tickets: none",
             LIBRARIES[2]: "one",
             LIBRARIES[3]: "one",
             LIBRARIES[4]: "none",
@@ -400,9 +400,10 @@ def main() -> int:
         "function's statement, then COMMIT. Fair mode ÷ default, hand-off turns/s: "
         f"{throughput[LIBRARIES[1]] / throughput[LIBRARIES[0]]:.2f} with one call per process "
         f"at a time, {queued[LIBRARIES[1]] / queued[LIBRARIES[0]]:.2f} with {QUEUED} queued per "
-        "process (the next call waits in the server, the others with a ticket). Machine CPU "
-        "per hand-off turn: the busy time of every CPU (all processes and the server; from "
-        "/proc/stat) from the first turn to the last of the one-call runs, per turn. "
+        "process (each process's first call on the key waits in the server, the others "
+        "with tickets). Machine CPU per hand-off turn: the busy time of every CPU (all "
+        "processes and the server; from /proc/stat) from the first turn to the last of the "
+        "one-call runs, per turn. "
         f"With {ELSEWHERE:,} calls waiting on other keys: the tickets of another process's "
         "waiting calls, one per key, written into the ticket table for that run; fair mode ÷ "
         f"itself without them: {elsewhere / throughput[LIBRARIES[1]]:.2f}.",

@@ -37,8 +37,8 @@ A ticket is live while its process's desk (below) holds its session's advisory l
 *owner lock*, and its heartbeat refreshes ``seen`` every third of the lease: the tickets of
 a process that died are skipped at once (its sessions end with it), those of a process
 that stopped a lease later. So a key has open transactions for at most its direct turns
-(one per process), the holder's and the next ticket's; every other waiting call holds only
-its row. Whether a
+(one per process) and two tickets (the first two of its line); every other waiting call
+holds only its row. Whether a
 ticket's transaction is in the server's lock queue is read in ``pg_locks``: the transaction
 first takes a try-lock whose two-int key is its ticket, then the keys' locks, on the same
 backend.
