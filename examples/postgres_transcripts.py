@@ -13,8 +13,8 @@ partial longest), then writes it. Five ways to run the workers:
   turn in the process comes, so a later update sent to another process can overtake it:
   a few segments still end stale;
 * ``@serialized, fair``: the same with ``fair=True``: every call waits in the database
-  from when it is made, so the updates run in the order they were sent: no stale rows,
-  nothing refused, no check needed;
+  from when it is made (in the server's queue, or with a ticket), so the updates run in
+  the order they were sent: no stale rows, nothing refused, no check needed;
 * ``@serialized + check``: the default mode with the check as belt and braces: no stale
   rows, and only the few overtaken writes refused.
 
@@ -69,9 +69,9 @@ def updates(segments: int, seed: int) -> list[tuple[float, Update]]:
 
 
 async def _work(dsn: str, mode: str, inbox: Any, ready: Any) -> None:
-    # Enough connections for every update in flight (fair mode holds one per waiting call): a
-    # call waiting for a connection has not reached the server's lock queue yet, and the
-    # order across processes is that queue's.
+    # Enough connections for every segment busy in the process (each holds one while it waits
+    # in the server): in the default mode a call waiting for a connection has not reached the
+    # server's lock queue yet, and the order across processes is that queue's.
     async with AsyncConnectionPool(dsn, min_size=16, max_size=16, open=False) as pool:
         await pool.wait()  # every connection open before the first update arrives
         await asyncio.to_thread(ready.wait)

@@ -38,7 +38,8 @@ class EarlyTurn:
 
     The desk alone writes ``ticket``, ``retry`` and ``verdict`` (the latest answer, which
     replaces one not read yet: it is the newer word) and sets and clears ``answered``; the
-    begin task alone reads the verdict and writes ``begun`` and ``since``; the call's side
+    begin task alone reads the verdict and writes ``begun`` and ``since``; the desk alone
+    writes ``behind``; the call's side
     (``EarlyTurns``) alone writes ``direct``, ``after``, ``taken`` and ``withdrawn``, and
     sets ``placed``.
     """
@@ -48,6 +49,7 @@ class EarlyTurn:
         "answered",
         "begin",
         "begun",
+        "behind",
         "direct",
         "keys",
         "order",
@@ -78,9 +80,21 @@ class EarlyTurn:
         self.direct = False
         #: Set once a direct turn holds its locks, took a ticket, or ended.
         self.placed = asyncio.Event()
+        #: The turn whose ticket is right ahead of this one's on its one key, this process's,
+        #: registered with it (see `TicketDesk._chain`): this one begins once that one holds
+        #: its locks, with no verdict asked ("behind").
+        self.behind: EarlyTurn | None = None
         #: This process's direct turns on the same keys, made earlier and not placed yet
         #: when this ticket was taken: its transaction begins only once they are placed.
         self.after: list[EarlyTurn] = []
+
+    def forget_ticket(self) -> None:
+        """The desk takes a new ticket for it: an answer not read yet was the old one's, and
+        so was the turn it was behind."""
+        self.ticket = None
+        self.verdict = None
+        self.answered.clear()
+        self.behind = None
 
     def answer(self, verdict: str | BaseException) -> None:
         self.verdict = verdict
@@ -184,9 +198,7 @@ class TicketDesk:
             self.parked.pop(early.order, None)
             self.to_ask.pop(early.order, None)
             self.to_give_back[early.ticket] = tuple(early.keys)
-            early.ticket = None  # its begin task waits for the verdict of its new ticket
-            early.verdict = None  # an answer not read yet was its old ticket's
-            early.answered.clear()
+            early.forget_ticket()  # its begin task waits for the verdict of its new ticket
             self.unregistered.append(early)
         self.unregistered.sort(key=lambda early: early.order)
         self._poke()
@@ -404,11 +416,14 @@ class TicketDesk:
                 self.unregistered.sort(key=lambda early: early.order)
             elif kind == "verdicts":
                 verdicts.update((int(ticket), str(verdict)) for ticket, verdict in rows)
+        _chain(registering, self.live)
         for asked in registering + asking:
             verdict = verdicts.get(asked.ticket or 0)
             if verdict is None or asked.order not in self.live:
                 continue  # it registers again, or its call ended, meanwhile
-            if verdict == "wait":
+            if verdict in ("wait", "soon") and asked.behind is not None:
+                verdict = "behind"  # it follows the ticket ahead: never parked nor asked again
+            elif verdict == "wait":
                 # Parked before the answer: a notification read after this batch asks again.
                 self.parked[asked.order] = asked
             elif verdict == "soon":
@@ -416,6 +431,12 @@ class TicketDesk:
             else:
                 asked.retry = FIRST_RETRY
             asked.answer(verdict)
+
+    def unchain(self, early: EarlyTurn) -> None:
+        """The turn ahead of ``early`` ended without holding its locks: ``early`` is asked for
+        its verdict as any ticket is."""
+        early.behind = None
+        self.ask(early)
 
     def _sent(self) -> set[int]:
         """The batch is back (or failed): the orders of its turns to register again."""
@@ -458,6 +479,22 @@ class TicketDesk:
             lock, _, ticket = notify.payload.partition(":")
             with contextlib.suppress(ValueError):
                 self._ask_heads({int(lock): int(ticket)})
+
+
+def _chain(registered: list[EarlyTurn], live: Mapping[int, EarlyTurn]) -> None:
+    """Note, for each turn of a batch just registered, the turn registered right before it in
+    the batch if both have one key, the same: on that key's line, the two tickets are next to
+    each other (the batch held the key's registration lock). The desk's own step: it alone
+    writes ``behind``."""
+    ahead: EarlyTurn | None = None
+    for early in registered:
+        early.behind = None
+        if early.ticket is None or early.order not in live:  # again, or it ended
+            ahead = None
+            continue
+        if ahead is not None and len(early.keys) == 1 and early.keys.keys() == ahead.keys.keys():
+            early.behind = ahead
+        ahead = early
 
 
 async def _results(cursor: psycopg.AsyncCursor[Any]) -> list[list[Any]]:

@@ -97,6 +97,10 @@ class EarlyTurns:
         self.calls_on: dict[int, int] = {}
         #: order -> direct turns not placed yet (see `EarlyTurn.placed`).
         self.unplaced: dict[int, EarlyTurn] = {}
+        #: lock id -> when a direct turn of it last found another process's ticket: for a
+        #: lease, calls on it take tickets at once (entries older are dropped as they are met,
+        #: and all of them whenever a direct turn takes a ticket).
+        self.tickets_seen: dict[int, float] = {}
         #: Turns given up and being rolled back, running on their own.
         self.background = Background("fair mode's background work")
 
@@ -104,13 +108,16 @@ class EarlyTurns:
         """The fair turn of a call registering now: direct if this process has no other call
         on its keys, else with a ticket, whose turn begins once its verdict says so.
 
+        A call on keys where a direct turn found another process's ticket within a lease takes
+        a ticket at once: it would most likely find one too.
+
         The call then takes its turn with `take_direct` (which may take a ticket after all)
         or `take_up`; in all cases `withdraw` follows when the call ends, and gives the
         ticket back.
         """
         early = EarlyTurn(keys, next(self.numbers))
         calls_on = self.calls_on
-        if any(lock in calls_on for lock in keys):
+        if any(lock in calls_on for lock in keys) or self._tickets_seen(keys):
             early.after = [
                 direct
                 for direct in self.unplaced.values()
@@ -123,6 +130,23 @@ class EarlyTurns:
         for lock in keys:
             calls_on[lock] = calls_on.get(lock, 0) + 1
         return early
+
+    def _tickets_seen(self, keys: Mapping[int, Hashable]) -> bool:
+        """Whether a direct turn found another process's ticket on one of ``keys`` within a
+        lease."""
+        seen = self.tickets_seen
+        if not seen:
+            return False
+        recent = False
+        since = asyncio.get_running_loop().time() - self.lease
+        for lock in keys:
+            when = seen.get(lock)
+            if when is not None:
+                if when >= since:
+                    recent = True
+                else:
+                    del seen[lock]
+        return recent
 
     def _ticket(self, early: EarlyTurn) -> None:
         self.desk.enrol(early)
@@ -159,6 +183,11 @@ class EarlyTurns:
         takes a ticket now, and this process's later calls take theirs again after it, so
         that its tickets keep the order of its calls."""
         early.direct = False
+        now = asyncio.get_running_loop().time()
+        seen = self.tickets_seen
+        for lock in [lock for lock, when in seen.items() if when < now - self.lease]:
+            del seen[lock]
+        seen.update(dict.fromkeys(early.keys, now))
         self._ticket(early)
         self.desk.register_again(early)
         self.placed(early)
@@ -167,6 +196,10 @@ class EarlyTurns:
         loop = asyncio.get_running_loop()
         while True:
             verdict = await early.next_verdict()
+            if verdict == "behind":
+                if not await self._follows(early):
+                    continue  # a verdict will come
+                verdict = "go"
             if verdict == "go":
                 if early.after and await self._held_back(early):
                     continue  # it took a new ticket meanwhile: the verdict was the old one's
@@ -177,6 +210,25 @@ class EarlyTurns:
                 self.desk.register_again(early)
             # wait: the desk parked it, and a notification or the heartbeat asks again;
             # soon: the desk asks again shortly
+
+    async def _follows(self, early: EarlyTurn) -> bool:
+        """Wait until the turn right ahead of ``early`` on its key's line holds its locks (or
+        its turn ended); whether ``early`` may begin now, as a ``go`` verdict would say.
+
+        That turn is this process's, so no verdict needs to be asked: once it holds its
+        locks, no live ticket is ahead of ``early`` but its own, in the server's queue.
+        """
+        ahead = early.behind
+        ticket = early.ticket
+        assert ahead is not None and ahead.begin is not None
+        await asyncio.wait([ahead.begin])
+        if early.ticket != ticket or early.behind is not ahead:
+            return False  # it took a new ticket meanwhile
+        begin = ahead.begin
+        if begin.cancelled() or begin.exception() is not None:
+            self.desk.unchain(early)  # it never held them: ``early`` is asked about
+            return False
+        return True
 
     async def _held_back(self, early: EarlyTurn) -> bool:
         """Wait until the direct turns ``early`` comes after are placed; whether ``early``

@@ -22,6 +22,7 @@ from ._setup import sequence, ticket_table
 
 _LOW31 = (1 << 31) - 1
 _LOW32 = (1 << 32) - 1
+_LOW64 = (1 << 64) - 1
 
 
 #: The setting, local to a direct turn's transaction, that says whether another process's call
@@ -68,8 +69,10 @@ class TicketSql:
         self.table = ticket_table(table, schema)
         self.sequence = sequence(table, schema)
         digest = hashlib.sha256(f"{schema}\0{table}".encode()).hexdigest()[:16]
-        #: The LISTEN channel of the queue's table: every process of the queue shares it.
-        self.channel = f"keyserial_{digest}"
+        #: The LISTEN channels of the queue's table: one per process, named after its owner
+        #: id (``to_hex`` in the server), so a commit wakes only the processes it concerns.
+        self.channels = f"keyserial_{digest}_"
+        self.channel = f"{self.channels}{owner & _LOW64:016x}"
         self.owner_id = owner
         self.owner = sql.Literal(owner)
         self.lease = sql.Literal(f"{max(1, int(lease * 1000))} milliseconds")
@@ -180,8 +183,9 @@ class TicketSql:
 
         The payload, ``<lock>:<ticket>``, names the second ticket of the line (the first is
         the next call's, in the server's queue already), or the first if it is alone: only
-        the calls up to it are asked again. A ticket named that is dead or stopped leaves
-        the line to the heartbeat, which asks every parked call.
+        the calls up to it are asked again, so it goes to the processes of the first two
+        tickets only. A ticket named that is dead or stopped leaves the line to the
+        heartbeat, which asks every parked call.
         """
         next_up = sql.SQL(
             "COALESCE((SELECT ticket FROM {t} WHERE lock = l ORDER BY ticket OFFSET 1 LIMIT 1), "
@@ -189,14 +193,15 @@ class TicketSql:
         ).format(t=self.table)
         return sql.SQL(
             "DELETE FROM {t} WHERE owner = {owner} AND ticket = ANY({tickets}::bigint[]); "
-            "SELECT pg_notify({channel}, l || ':' || h) "
-            "FROM unnest({locks}::bigint[]) l, LATERAL (SELECT {next_up}) x(h) "
+            "SELECT pg_notify({channels} || lpad(to_hex(o.owner), 16, '0'), l || ':' || h) "
+            "FROM unnest({locks}::bigint[]) l, LATERAL (SELECT {next_up}) x(h), "
+            "LATERAL (SELECT owner FROM {t} WHERE lock = l ORDER BY ticket LIMIT 2) o "
             "WHERE h IS NOT NULL"
         ).format(
             t=self.table,
             owner=self.owner,
             tickets=sql.Literal(tickets),
-            channel=sql.Literal(self.channel),
+            channels=sql.Literal(self.channels),
             locks=sql.Literal(locks),
             next_up=next_up,
         )
