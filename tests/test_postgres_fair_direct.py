@@ -1,18 +1,24 @@
-"""Fair mode's direct turns on PostgreSQL: a process's only call on a key waits in the server's
+"""Fair mode's shortcuts on PostgreSQL: a process's only call on a key waits in the server's
 queue without a ticket, as in the default mode; its later calls take tickets, and so does any
 call that finds another process's ticket waiting, without ever overtaking the calls of its
-own process made before it."""
+own process made before it. A commit wakes only the processes it concerns, and tickets a
+process registered together follow each other without asking the server again."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
-from keyserial.postgres import PostgresKeyedQueue
+from keyserial.postgres import PostgresKeyedQueue, lock_id
+from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
+from keyserial.postgres._tickets import TicketSql, new_owner
 from keyserial.postgres._turn import PgTurn
 
 from .conftest import Pools
@@ -180,3 +186,99 @@ async def test_bursts_of_calls_of_several_processes_on_one_key_all_run_in_each_s
     assert started == [list(range(32))] * len(queues)
     for queue in queues:
         await queue.aclose()
+
+
+async def test_a_commit_notifies_only_the_processes_of_the_first_two_tickets(
+    postgres_dsn: str,
+) -> None:
+    # Tickets 100 (a, giving it back), 101 (b), 102 (c) and 103 (d) wait on one key. Once
+    # 100 is given back, 101 is next and 102 may follow it: only b and c are woken.
+    owners = {name: new_owner() for name in "abcd"}
+    key = lock_id("t", "k")
+    tickets = {name: TicketSql("fences", None, 10.0, owner) for name, owner in owners.items()}
+    connect = functools.partial(psycopg.AsyncConnection.connect, postgres_dsn, autocommit=True)
+    async with await connect() as a:
+        await ensure_sequence(a, "fences", None)
+        await ensure_ticket_table(a, "fences", None)
+        await a.execute(
+            "INSERT INTO fences_tq SELECT %s, 99 + n, owner, now() "
+            "FROM unnest(%s::bigint[]) WITH ORDINALITY AS o(owner, n)",
+            (key, [owners[name] for name in "abcd"]),
+        )
+        woken: dict[str, list[str]] = {}
+        listeners = {name: await connect() for name in "abcd"}  # each process's desk
+        try:
+            for name, listener in listeners.items():
+                channel = sql.Identifier(tickets[name].channel)
+                await listener.execute(sql.SQL("LISTEN {}").format(channel))
+            await a.execute(tickets["a"].give_back([100], [key]))
+            for name, listener in listeners.items():
+                woken[name] = [n.payload async for n in listener.notifies(timeout=0.5)]
+        finally:
+            for listener in listeners.values():
+                await listener.close()
+    assert woken == {"a": [], "b": [f"{key}:102"], "c": [f"{key}:102"], "d": []}
+
+
+async def test_tickets_registered_together_follow_each_other_without_asking_again(
+    pools: Pools,
+) -> None:
+    # Four calls of one process made at once behind its holder take their tickets in one
+    # round trip: the first may go at once, and each of the others begins as soon as the
+    # one ahead of it holds the key, without its verdict being asked again.
+    queue = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
+    notes = TurnNotes()
+    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
+    asked: list[list[int]] = []
+    verdicts = desk.sql.verdicts
+
+    def counted(tickets: list[int]) -> sql.Composed:
+        asked.append(tickets)
+        return verdicts(tickets)
+
+    desk.sql.verdicts = counted  # type: ignore[method-assign]
+    holder = asyncio.create_task(queue.run("k", notes.hold))
+    await notes.until_holding()
+    calls = [asyncio.create_task(queue.run("k", notes.note, f"c{n}")) for n in range(4)]
+    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
+    notes.release.set()
+    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    assert notes.order == ["hold", "c0", "c1", "c2", "c3"]
+    assert asked == []
+    await queue.aclose()
+
+
+async def test_a_process_whose_direct_turn_found_a_ticket_takes_tickets_on_the_key(
+    pools: Pools,
+) -> None:
+    # a's direct turn finds b's ticket and takes one instead; for a lease, a's calls on the
+    # key take tickets at once, without asking the server first.
+    a = PostgresKeyedQueue(await pools(), namespace="t", lease=10.0, fair=True)
+    b = PostgresKeyedQueue(await pools(), namespace="t", lease=10.0, fair=True)
+    watcher = await pools(max_size=1)
+    notes = TurnNotes()
+    early = a._turns.early  # pyright: ignore[reportPrivateUsage]
+    tried: list[Mapping[int, Hashable]] = []
+    begin_direct = early.begin_direct
+
+    async def counted(
+        keys: Mapping[int, Hashable], deadline: float | None, loop: asyncio.AbstractEventLoop
+    ) -> PgTurn | None:
+        tried.append(keys)
+        return await begin_direct(keys, deadline, loop)
+
+    early.begin_direct = counted
+    holder = asyncio.create_task(b.run("k", notes.hold))
+    await notes.until_holding()
+    calls = [asyncio.create_task(b.run("k", notes.note, "b1"))]
+    await _until(watcher, "tickets", 1)
+    calls.append(asyncio.create_task(a.run("k", notes.note, "a1")))
+    await _until(watcher, "tickets", 2)
+    notes.release.set()
+    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    assert len(tried) == 1
+    await a.run("k", notes.note, "a2")  # a has no call on the key: still, a ticket
+    assert len(tried) == 1
+    assert notes.order == ["hold", "b1", "a1", "a2"]
+    await a.aclose()
+    await b.aclose()
