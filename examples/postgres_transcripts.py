@@ -72,7 +72,7 @@ async def _work(dsn: str, mode: str, inbox: Any, ready: Any) -> None:
     # Enough connections for every segment busy in the process (each holds one while it waits
     # in the server): in the default mode a call waiting for a connection has not reached the
     # server's lock queue yet, and the order across processes is that queue's.
-    async with AsyncConnectionPool(dsn, min_size=16, max_size=16, open=False) as pool:
+    async with AsyncConnectionPool(dsn, min_size=10, max_size=10, open=False) as pool:
         await pool.wait()  # every connection open before the first update arrives
         await asyncio.to_thread(ready.wait)
         queue = PostgresKeyedQueue(pool, namespace="transcripts", fair=mode.endswith("fair"))

@@ -282,3 +282,29 @@ async def test_a_process_whose_direct_turn_found_a_ticket_takes_tickets_on_the_k
     assert notes.order == ["hold", "b1", "a1", "a2"]
     await a.aclose()
     await b.aclose()
+
+
+async def test_a_call_whose_pool_has_no_idle_connection_takes_a_ticket_at_once(
+    pools: Pools,
+) -> None:
+    # a's only connection is busy with other work when a1 is made: a1 takes a ticket rather
+    # than wait for the connection without one, so b1, made after it, does not go first.
+    watcher = await pools(max_size=1)
+    a_pool = await pools(max_size=1)
+    a = PostgresKeyedQueue(a_pool, namespace="t", fair=True)
+    b = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
+    c = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
+    notes = TurnNotes()
+
+    holder = asyncio.create_task(c.run("k", notes.hold))
+    await notes.until_holding()
+    async with a_pool.connection():  # other work of a's
+        first = asyncio.create_task(a.run("k", notes.note, "a1"))
+        await _until(watcher, "tickets", 1)
+        second = asyncio.create_task(b.run("k", notes.note, "b1"))
+        await _until(watcher, "tickets", 2)
+    notes.release.set()
+    await asyncio.wait_for(asyncio.gather(holder, first, second), 10)
+    assert notes.order == ["hold", "a1", "b1"]
+    for queue in (a, b, c):
+        await queue.aclose()

@@ -236,11 +236,12 @@ async def test_cancelling_a_waiting_call_twice_leaves_no_session_waiting_on_the_
 ) -> None:
     application = f"keyserial-{secrets.token_hex(4)}"
     dsn = make_conninfo(postgres_dsn, application_name=application)
-    async with AsyncConnectionPool(dsn, min_size=1, max_size=20, open=False) as pool:
+    async with AsyncConnectionPool(dsn, min_size=9, max_size=9, open=False) as pool:
         await pool.open(wait=True)
         async with holding(PostgresKeyedQueue(pool, namespace="c"), "k"):
             # Separate queues: each is a process of its own, each with a wait on the server
-            # (in fair mode too: each is its process's only call on the key).
+            # (in fair mode too: each is its process's only call on the key, and finds an
+            # idle connection in the pool).
             queues = [PostgresKeyedQueue(pool, namespace="c") for _ in range(8)]
             waiters = [asyncio.create_task(queue.run("k", nothing)) for queue in queues]
             on_server = len(waiters)

@@ -36,12 +36,11 @@ LAST_RETRY = 0.05
 class EarlyTurn:
     """One call's turn in fair mode, from its registration until the call takes it up.
 
-    The desk alone writes ``ticket``, ``retry`` and ``verdict`` (the latest answer, which
-    replaces one not read yet: it is the newer word) and sets and clears ``answered``; the
-    begin task alone reads the verdict and writes ``begun`` and ``since``; the desk alone
-    writes ``behind``; the call's side
-    (``EarlyTurns``) alone writes ``direct``, ``after``, ``taken`` and ``withdrawn``, and
-    sets ``placed``.
+    The desk alone writes ``ticket``, ``retry``, ``behind`` and ``verdict`` (the latest
+    answer, which replaces one not read yet: it is the newer word) and sets and clears
+    ``answered``; the begin task alone reads the verdict and writes ``begun`` and ``since``;
+    the call's side (``EarlyTurns``) alone writes ``direct``, ``after``, ``taken`` and
+    ``withdrawn``, and sets ``placed``.
     """
 
     __slots__ = (
@@ -411,7 +410,7 @@ class TicketDesk:
                         self.to_give_back[early.ticket] = tuple(early.keys)
                     elif early.order in again:  # an earlier turn took a ticket meanwhile
                         self.to_give_back[early.ticket] = tuple(early.keys)
-                        early.ticket = None
+                        early.forget_ticket()
                         self.unregistered.append(early)
                 self.unregistered.sort(key=lambda early: early.order)
             elif kind == "verdicts":

@@ -91,6 +91,7 @@ class EarlyTurns:
         self.begin = begin
         self.begin_direct = begin_direct
         self.rollback = rollback
+        self.pool = pool
         self.desk = TicketDesk(pool, table, schema, lease)
         self.numbers = itertools.count()
         #: lock id -> how many of this process's calls on it are registered and not withdrawn.
@@ -158,9 +159,15 @@ class EarlyTurns:
         """The direct turn of ``early``, or None once it took a ticket instead, because
         another process's call waits with one on its keys (`take_up` then takes its turn).
 
+        A call that would wait for a connection of the pool takes a ticket at once: until it
+        reaches the server, calls of other processes made after it could go first.
+
         Raises:
             As ``PostgresTurns.begin``.
         """
+        if not self.pool.get_stats().get("pool_available"):
+            self.take_ticket(early, seen=False)
+            return None
         try:
             turn = await self.begin_direct(early.keys, deadline, loop)
         except BaseException:
@@ -178,16 +185,17 @@ class EarlyTurns:
         self.unplaced.pop(early.order, None)
         early.placed.set()
 
-    def take_ticket(self, early: EarlyTurn) -> None:
-        """``early``'s direct turn found another process's call waiting with a ticket: it
-        takes a ticket now, and this process's later calls take theirs again after it, so
-        that its tickets keep the order of its calls."""
+    def take_ticket(self, early: EarlyTurn, seen: bool = True) -> None:
+        """``early``'s direct turn takes a ticket after all (it found another process's call
+        waiting with one, if ``seen``); this process's later calls take theirs again after
+        it, so that its tickets keep the order of its calls."""
         early.direct = False
-        now = asyncio.get_running_loop().time()
-        seen = self.tickets_seen
-        for lock in [lock for lock, when in seen.items() if when < now - self.lease]:
-            del seen[lock]
-        seen.update(dict.fromkeys(early.keys, now))
+        if seen:
+            now = asyncio.get_running_loop().time()
+            found = self.tickets_seen
+            for lock in [lock for lock, when in found.items() if when < now - self.lease]:
+                del found[lock]
+            found.update(dict.fromkeys(early.keys, now))
         self._ticket(early)
         self.desk.register_again(early)
         self.placed(early)
