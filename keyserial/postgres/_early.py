@@ -8,7 +8,9 @@ its transaction asks, in the same round trip as its locks, whether a call of ano
 holds a ticket on one of its keys' lines, and locks them only if none does. It then waits in
 the server's queue, as in the default mode: that queue keeps the order in which such calls
 reached the server, and each process has at most one of them on a key. If a ticket is
-there, the call locks nothing and takes a ticket instead.
+there, the call locks nothing and takes a ticket instead; so does a call whose pool has no
+idle connection (until it reaches the server, calls made after it could go first), and, for
+a lease, every call of the process on a key where a direct turn found a ticket.
 
 Every other call takes a ticket when it registers: one row ``(lock, ticket, owner, seen)``
 per key in the ticket table, ``<table>_tq``, the ticket drawn from the queue's sequence.
