@@ -19,30 +19,12 @@ from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
 from keyserial.postgres._tickets import TicketSql, new_owner, owner_lock, ticket_lock
 
 from .conftest import Pools
+from .fair_lines import ticket_count, until_tickets
 from .postgres_server import private_database
 from .redis_helpers import until
 from .turn_notes import TurnNotes
 
 pytestmark = pytest.mark.asyncio
-
-
-async def _tickets(pool: AsyncConnectionPool[Any]) -> int:
-    """How many calls hold a ticket (rows of distinct tickets in the ticket table)."""
-    async with pool.connection() as conn:
-        cursor = await conn.execute("SELECT to_regclass('keyserial_fences_tq') IS NOT NULL")
-        if not (await cursor.fetchall())[0][0]:
-            return 0  # made by the first call's process, maybe not yet
-        cursor = await conn.execute("SELECT count(DISTINCT ticket) FROM keyserial_fences_tq")
-        row = await cursor.fetchone()
-        return 0 if row is None else int(row[0])
-
-
-async def _until_tickets(pool: AsyncConnectionPool[Any], count: int) -> None:
-    for _ in range(2000):
-        if await _tickets(pool) == count:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never {count} tickets in the ticket table")
 
 
 async def _connections(pool: AsyncConnectionPool[Any]) -> int:
@@ -81,11 +63,11 @@ async def test_twenty_waiting_calls_of_four_processes_hold_tickets_and_run_in_ca
         fences.append(current_fence())  # drawn once the server granted the turn
 
     holder = asyncio.create_task(queues[0].run("k", hold))
-    await _until_tickets(watcher, 1)
+    await until_tickets(watcher, 1)
     calls = []
     for call in range(20):  # round robin over the processes, each registered before the next
         calls.append(asyncio.create_task(queues[call % 4].run("k", note, call)))
-        await _until_tickets(watcher, call + 2)
+        await until_tickets(watcher, call + 2)
     # Settle: the next call's transaction waits in the server behind the holder's.
     await asyncio.sleep(0.2)
     peak = await _connections(watcher)
@@ -98,7 +80,7 @@ async def test_twenty_waiting_calls_of_four_processes_hold_tickets_and_run_in_ca
     assert order == list(range(20)), list(zip(order, fences, strict=True))
     for queue in queues:
         await queue.aclose()
-    assert await _tickets(watcher) == 0, "a ticket outlived its call"
+    assert await ticket_count(watcher) == 0, "a ticket outlived its call"
 
 
 @pytest.mark.parametrize("how", ["cancelled", "timed out"])
@@ -114,14 +96,14 @@ async def test_a_call_that_gives_up_leaves_no_ticket_and_no_gap(pools: Pools, ho
         gives_up = asyncio.create_task(a.run("k", notes.note, "gave up"))
     else:
         gives_up = asyncio.create_task(a.with_options(timeout=0.5).run("k", notes.note, "gave up"))
-    await _until_tickets(watcher, 1)
+    await until_tickets(watcher, 1)
     later = asyncio.create_task(b.run("k", notes.note, "b"))
-    await _until_tickets(watcher, 2)
+    await until_tickets(watcher, 2)
     if how == "cancelled":
         gives_up.cancel()
     with pytest.raises(asyncio.CancelledError if how == "cancelled" else TimeoutError):
         await gives_up
-    await _until_tickets(watcher, 1)  # its ticket was given back
+    await until_tickets(watcher, 1)  # its ticket was given back
     notes.release.set()
     # A ticket or transaction left behind would hold the line until its lease (10 s).
     await asyncio.wait_for(asyncio.gather(holder, later), 5)
@@ -131,7 +113,7 @@ async def test_a_call_that_gives_up_leaves_no_ticket_and_no_gap(pools: Pools, ho
         assert stats["pool_size"] == stats["pool_available"], "a connection was not given back"
     await a.aclose()
     await b.aclose()
-    assert await _tickets(watcher) == 0
+    assert await ticket_count(watcher) == 0
 
 
 async def test_an_idle_process_closes_the_connection_of_its_tickets(pools: Pools) -> None:
@@ -181,11 +163,11 @@ async def test_tickets_lost_while_waiting_are_taken_again_in_call_order(pools: P
     holder = asyncio.create_task(a.run("k", notes.hold))  # direct: no ticket
     await notes.until_holding()
     calls = [asyncio.create_task(a.run("k", notes.note, "a0"))]  # the next: in the server's queue
-    await _until_tickets(watcher, 1)
+    await until_tickets(watcher, 1)
     calls.append(asyncio.create_task(b.run("k", notes.note, "b0")))  # finds a0's: a ticket
-    await _until_tickets(watcher, 2)
+    await until_tickets(watcher, 2)
     calls += [asyncio.create_task(a.run("k", notes.note, name)) for name in ("a1", "a2")]
-    await _until_tickets(watcher, 4)
+    await until_tickets(watcher, 4)
     # a's next heartbeat, which finds its tickets gone, waits until b1 has registered.
     beat_again = asyncio.Event()
     heartbeat = a._turns.early.desk._heartbeat  # pyright: ignore[reportPrivateUsage]
@@ -201,15 +183,15 @@ async def test_tickets_lost_while_waiting_are_taken_again_in_call_order(pools: P
             "(SELECT ticket FROM keyserial_fences_tq ORDER BY ticket DESC LIMIT 2)"
         )
     calls.append(asyncio.create_task(b.run("k", notes.note, "b1")))
-    await _until_tickets(watcher, 3)
+    await until_tickets(watcher, 3)
     beat_again.set()
-    await _until_tickets(watcher, 5)  # a1's and a2's again
+    await until_tickets(watcher, 5)  # a1's and a2's again
     notes.release.set()
     await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
     assert notes.order == ["hold", "a0", "b0", "b1", "a1", "a2"]
     await a.aclose()
     await b.aclose()
-    assert await _tickets(watcher) == 0
+    assert await ticket_count(watcher) == 0
 
 
 async def test_a_verdict_reads_the_locks_of_its_own_database_only(postgres_dsn: str) -> None:

@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Hashable, Mapping
-from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg_pool import AsyncConnectionPool
 
 from keyserial.postgres import PostgresKeyedQueue, lock_id
 from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
@@ -22,47 +20,11 @@ from keyserial.postgres._tickets import TicketSql, new_owner
 from keyserial.postgres._turn import PgTurn
 
 from .conftest import Pools
+from .fair_lines import ticket_count, until_tickets, until_waiting_in_server, waiting_in_server
 from .redis_helpers import until
 from .turn_notes import TurnNotes
 
 pytestmark = pytest.mark.asyncio
-
-
-async def _count(pool: AsyncConnectionPool[Any], query: str) -> int:
-    async with pool.connection() as conn:
-        cursor = await conn.execute(query)  # pyright: ignore[reportArgumentType]
-        row = await cursor.fetchone()
-        return 0 if row is None else int(row[0])
-
-
-_TABLE_MADE = "SELECT count(*) FROM pg_class WHERE relname = 'keyserial_fences_tq'"
-
-
-async def _tickets(pool: AsyncConnectionPool[Any]) -> int:
-    """How many calls hold a ticket (0 if no process made the ticket table yet)."""
-    if not await _count(pool, _TABLE_MADE):
-        return 0
-    return await _count(pool, "SELECT count(DISTINCT ticket) FROM keyserial_fences_tq")
-
-
-async def _waiting_in_server(pool: AsyncConnectionPool[Any]) -> int:
-    """Transactions of the test's database waiting in the server's queue for a key's lock."""
-    return await _count(
-        pool,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 "
-        "AND NOT granted "
-        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    )
-
-
-async def _until(pool: AsyncConnectionPool[Any], what: str, count: int) -> None:
-    """Wait until ``count`` calls hold tickets (``what`` "tickets") or wait in the server."""
-    ask = _tickets if what == "tickets" else _waiting_in_server
-    for _ in range(2000):
-        if await ask(pool) == count:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never {count} {what}")
 
 
 def _slowed(queue: PostgresKeyedQueue) -> asyncio.Event:
@@ -92,8 +54,8 @@ async def test_each_process_s_only_call_waits_in_the_server_in_call_order(pools:
     calls = []
     for process in (1, 2, 3):
         calls.append(asyncio.create_task(queues[process].run("k", notes.note, f"p{process}")))
-        await _until(watcher, "waiting", process)
-    assert await _tickets(watcher) == 0
+        await until_waiting_in_server(watcher, process)
+    assert await ticket_count(watcher) == 0
     for queue in queues:  # no connection for tickets either
         assert queue._turns.early.desk.task is None  # pyright: ignore[reportPrivateUsage]
     notes.release.set()
@@ -121,9 +83,9 @@ async def test_a_ticket_never_reaches_the_server_ahead_of_its_process_s_direct_t
     first = asyncio.create_task(a.run("k", notes.note, "a1"))
     await until(lambda: a.stats().running == 1, "a1 begins its turn")
     second = asyncio.create_task(a.run("k", notes.note, "a2"))
-    await _until(watcher, "tickets", 1)
+    await until_tickets(watcher, 1)
     await asyncio.sleep(0.2)  # a2's verdict comes back: it is first in line
-    assert await _waiting_in_server(watcher) == 0, "a2's transaction went ahead of a1's"
+    assert await waiting_in_server(watcher) == 0, "a2's transaction went ahead of a1's"
     notes.release.set()
     await holder
     go_on.set()
@@ -131,7 +93,7 @@ async def test_a_ticket_never_reaches_the_server_ahead_of_its_process_s_direct_t
     assert notes.order == ["hold", "a1", "a2"]
     await a.aclose()
     await b.aclose()
-    assert await _tickets(watcher) == 0
+    assert await ticket_count(watcher) == 0
 
 
 async def test_a_direct_turn_that_finds_a_ticket_takes_one_before_its_process_s_later_calls(
@@ -148,21 +110,21 @@ async def test_a_direct_turn_that_finds_a_ticket_takes_one_before_its_process_s_
     holder = asyncio.create_task(c.run("k", notes.hold))
     await notes.until_holding()
     calls = [asyncio.create_task(b.run("k", notes.note, "b1"))]
-    await _until(watcher, "waiting", 1)
+    await until_waiting_in_server(watcher, 1)
     calls.append(asyncio.create_task(b.run("k", notes.note, "b2")))
-    await _until(watcher, "tickets", 1)
+    await until_tickets(watcher, 1)
     calls.append(asyncio.create_task(a.run("k", notes.note, "a1")))
     await until(lambda: a.stats().running == 1, "a1 begins its turn")
     calls.append(asyncio.create_task(a.run("k", notes.note, "a2")))
-    await _until(watcher, "tickets", 2)
+    await until_tickets(watcher, 2)
     go_on.set()
-    await _until(watcher, "tickets", 3)  # b2's, a1's and a2's new one
+    await until_tickets(watcher, 3)  # b2's, a1's and a2's new one
     notes.release.set()
     await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
     assert notes.order == ["hold", "b1", "b2", "a1", "a2"]
     for queue in (a, b, c):
         await queue.aclose()
-    assert await _tickets(watcher) == 0
+    assert await ticket_count(watcher) == 0
 
 
 async def test_bursts_of_calls_of_several_processes_on_one_key_all_run_in_each_s_order(
@@ -271,9 +233,9 @@ async def test_a_process_whose_direct_turn_found_a_ticket_takes_tickets_on_the_k
     holder = asyncio.create_task(b.run("k", notes.hold))
     await notes.until_holding()
     calls = [asyncio.create_task(b.run("k", notes.note, "b1"))]
-    await _until(watcher, "tickets", 1)
+    await until_tickets(watcher, 1)
     calls.append(asyncio.create_task(a.run("k", notes.note, "a1")))
-    await _until(watcher, "tickets", 2)
+    await until_tickets(watcher, 2)
     notes.release.set()
     await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
     assert len(tried) == 1
@@ -300,9 +262,9 @@ async def test_a_call_whose_pool_has_no_idle_connection_takes_a_ticket_at_once(
     await notes.until_holding()
     async with a_pool.connection():  # other work of a's
         first = asyncio.create_task(a.run("k", notes.note, "a1"))
-        await _until(watcher, "tickets", 1)
+        await until_tickets(watcher, 1)
         second = asyncio.create_task(b.run("k", notes.note, "b1"))
-        await _until(watcher, "tickets", 2)
+        await until_tickets(watcher, 2)
     notes.release.set()
     await asyncio.wait_for(asyncio.gather(holder, first, second), 10)
     assert notes.order == ["hold", "a1", "b1"]
