@@ -101,8 +101,8 @@ class EarlyTurns:
         #: order -> direct turns not placed yet (see `EarlyTurn.placed`).
         self.unplaced: dict[int, EarlyTurn] = {}
         #: lock id -> when a direct turn of it last found another process's ticket: for a
-        #: lease, calls on it take tickets at once (entries older are dropped as they are met,
-        #: and all of them whenever a direct turn takes a ticket).
+        #: lease, calls on it take tickets at once (entries older than that are dropped
+        #: whenever a direct turn takes a ticket).
         self.tickets_seen: dict[int, float] = {}
         #: Turns given up and being rolled back, running on their own.
         self.background = Background("fair mode's background work")
@@ -140,16 +140,8 @@ class EarlyTurns:
         seen = self.tickets_seen
         if not seen:
             return False
-        recent = False
         since = asyncio.get_running_loop().time() - self.lease
-        for lock in keys:
-            when = seen.get(lock)
-            if when is not None:
-                if when >= since:
-                    recent = True
-                else:
-                    del seen[lock]
-        return recent
+        return any(seen.get(lock, since - 1) >= since for lock in keys)
 
     def _ticket(self, early: EarlyTurn) -> None:
         self.desk.enrol(early)
