@@ -16,6 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 from keyserial import current_fence
 from keyserial.postgres import PostgresKeyedQueue, lock_id
 from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
+from keyserial.postgres._sql_text import query
 from keyserial.postgres._tickets import TicketSql, new_owner, owner_lock, ticket_lock
 
 from .conftest import Pools
@@ -220,7 +221,7 @@ async def test_a_verdict_reads_the_locks_of_its_own_database_only(postgres_dsn: 
             await elsewhere.execute("BEGIN")
             await elsewhere.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", ticket_lock(100))
             await elsewhere.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
-            cursor = await b.execute(tickets.verdicts([101]))
+            cursor = await b.execute(query([tickets.verdicts([101])]))
             assert await cursor.fetchall() == [(101, "soon")]
             await elsewhere.execute("ROLLBACK")
 
@@ -303,9 +304,9 @@ async def test_a_process_finds_its_own_tickets_without_reading_every_waiting_cal
         tickets = TicketSql("fences", None, 10.0, owner)
         await conn.execute(tickets.prepare())
         statements = [
-            tickets.verdicts([5001]).as_string(conn),
-            tickets.new_verdicts(1).as_string(conn),
-            *tickets.give_back([5001], [key]).as_string(conn).split("; "),
+            tickets.verdicts([5001]),
+            tickets.new_verdicts(1),
+            *tickets.give_back([5001], [key]),
             *(
                 statement
                 for statement in tickets.heartbeat([5001]).as_string(conn).split("; ")

@@ -16,6 +16,7 @@ from psycopg import sql
 
 from keyserial.postgres import PostgresKeyedQueue, lock_id
 from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
+from keyserial.postgres._sql_text import query
 from keyserial.postgres._tickets import TicketSql, new_owner
 from keyserial.postgres._turn import PgTurn
 
@@ -173,7 +174,7 @@ async def test_a_commit_notifies_only_the_processes_of_the_first_two_tickets(
             for name, listener in listeners.items():
                 channel = sql.Identifier(tickets[name].channel)
                 await listener.execute(sql.SQL("LISTEN {}").format(channel))
-            await a.execute(tickets["a"].give_back([100], [key]))
+            await a.execute(query(["BEGIN", *tickets["a"].give_back([100], [key]), "COMMIT"]))
             for name, listener in listeners.items():
                 woken[name] = [n.payload async for n in listener.notifies(timeout=0.5)]
         finally:
@@ -194,7 +195,7 @@ async def test_tickets_registered_together_follow_each_other_without_asking_agai
     asked: list[list[int]] = []
     verdicts = desk.sql.verdicts
 
-    def counted(tickets: list[int]) -> sql.Composed:
+    def counted(tickets: list[int]) -> str:
         asked.append(tickets)
         return verdicts(tickets)
 

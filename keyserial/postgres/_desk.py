@@ -21,6 +21,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from ._errors import PostgresUnavailable, SetupRequired
 from ._setup import ensure_sequence, ensure_ticket_table
+from ._sql_text import query
 from ._tickets import TicketSql, new_owner, owner_lock
 from ._turn import PgTurn
 
@@ -50,6 +51,9 @@ class EarlyTurn:
         "begun",
         "behind",
         "direct",
+        "ended",
+        "followed_by",
+        "handed",
         "keys",
         "order",
         "placed",
@@ -74,6 +78,14 @@ class EarlyTurn:
         self.begin: asyncio.Task[PgTurn] | None = None
         self.begun = False  # its transaction was asked for, on a connection of the pool
         self.taken = False
+        #: Set once the call ended (its turn committed, rolled back or was never taken).
+        self.ended = asyncio.Event()
+        #: The turn the commit of the turn right ahead (``behind``) began for this one, in
+        #: its own round trip, on its connection (see `EarlyTurns.hand_over`).
+        self.handed: PgTurn | None = None
+        #: The turn registered right behind this one on its key's line (see `_chain`); it
+        #: is still there while its ``behind`` is this one.
+        self.followed_by: EarlyTurn | None = None
         self.withdrawn = False
         #: A direct turn (no ticket: see _early) until it takes a ticket instead.
         self.direct = False
@@ -347,37 +359,12 @@ class TicketDesk:
         self.registering = {early.order: early for early in registering}
         asking = [e for e in self.to_ask.values() if e.ticket is not None and not e.begun]
         self.to_ask = {}
-        statements: list[sql.Composable] = []
-        kinds: list[str] = []  # what each statement's result is
-        if giving or registering:
-            # One transaction: tickets given back and new ones, committed before any verdict.
-            statements.append(sql.SQL("BEGIN"))
-            kinds.append("begun")
-        if giving:
-            locks = sorted({lock for held in giving.values() for lock in held})
-            statements.append(self.sql.give_back(list(giving), locks))
-            kinds += ["given back", "notified"]
-        if registering:
-            registered = [lock for early in registering for lock in early.keys]
-            statements.append(self.sql.registering(registered))
-            kinds += ["locked"] * len(set(registered))
-            for early in registering:
-                statements.append(self.sql.register(list(early.keys)))
-                kinds.append("registered")
-        if giving or registering:
-            statements.append(sql.SQL("COMMIT"))
-            kinds.append("committed")
-        if registering:
-            statements.append(self.sql.new_verdicts(len(registering)))
-            kinds.append("new verdicts")
-        if asking:
-            statements.append(self.sql.verdicts([early.ticket or 0 for early in asking]))
-            kinds.append("verdicts")
+        statements, kinds = _batch(self.sql, giving, registering, asking)
         if not statements:
             return
         try:
-            cursor = await connection.execute(sql.SQL("; ").join(statements))
-            results = await _results(cursor)
+            cursor = await connection.execute(query(statements))
+            results = await all_rows(cursor)
         except (psycopg.OperationalError, psycopg.InterfaceError):
             self._sent()
             self.unregistered[:0] = registering  # asked again on the next connection
@@ -415,6 +402,8 @@ class TicketDesk:
                 self.unregistered.sort(key=lambda early: early.order)
             elif kind == "verdicts":
                 verdicts.update((int(ticket), str(verdict)) for ticket, verdict in rows)
+            elif kind == "told":
+                self.moved(rows)
         _chain(registering, self.live)
         for asked in registering + asking:
             verdict = verdicts.get(asked.ticket or 0)
@@ -431,6 +420,13 @@ class TicketDesk:
                 asked.retry = FIRST_RETRY
             asked.answer(verdict)
 
+    def moved(self, rows: list[Any]) -> None:
+        """A commit gave tickets back: ask again for this process's turns that its word,
+        the rows of `TicketSql.give_back` marked as this process's, names."""
+        mine = {int(lock): int(ticket) for lock, ticket, _, own in rows if own}
+        if mine:
+            self._ask_heads(mine)
+
     def unchain(self, early: EarlyTurn) -> None:
         """The turn ahead of ``early`` ended without holding its locks: ``early`` is asked for
         its verdict as any ticket is."""
@@ -446,7 +442,7 @@ class TicketDesk:
     async def _heartbeat(self, connection: AsyncConnection[Any]) -> None:
         mine = [e.ticket for e in self.live.values() if e.ticket is not None]
         cursor = await connection.execute(self.sql.heartbeat(mine))
-        kept = {int(row[0]) for row in (await _results(cursor))[-1]}
+        kept = {int(row[0]) for row in (await all_rows(cursor))[-1]}
         for early in list(self.live.values()):
             if early.ticket is not None and not early.begun and early.ticket not in kept:
                 self.register_again(early)
@@ -480,6 +476,43 @@ class TicketDesk:
                 self._ask_heads({int(lock): int(ticket)})
 
 
+def _batch(
+    tickets: TicketSql,
+    giving: Mapping[int, tuple[int, ...]],
+    registering: list[EarlyTurn],
+    asking: list[EarlyTurn],
+) -> tuple[list[str], list[str]]:
+    """The statements of one batch of the desk, and what each one's result is: give
+    ``giving`` back (ticket -> its locks), register ``registering`` (each new ticket with its
+    verdict), ask the verdicts of ``asking``."""
+    statements: list[str] = []
+    kinds: list[str] = []
+    if giving or registering:
+        # One transaction: tickets given back and new ones, committed before any verdict.
+        statements.append("BEGIN")
+        kinds.append("begun")
+    if giving:
+        locks = sorted({lock for held in giving.values() for lock in held})
+        statements += tickets.give_back(list(giving), locks)
+        kinds += ["told", "given back"]
+    if registering:
+        locking = tickets.registering([lock for early in registering for lock in early.keys])
+        statements += locking
+        kinds += ["locked"] * len(locking)
+        statements += [tickets.register(list(early.keys)) for early in registering]
+        kinds += ["registered"] * len(registering)
+    if giving or registering:
+        statements.append("COMMIT")
+        kinds.append("committed")
+    if registering:
+        statements.append(tickets.new_verdicts(len(registering)))
+        kinds.append("new verdicts")
+    if asking:
+        statements.append(tickets.verdicts([early.ticket or 0 for early in asking]))
+        kinds.append("verdicts")
+    return statements, kinds
+
+
 def _chain(registered: list[EarlyTurn], live: Mapping[int, EarlyTurn]) -> None:
     """Note, for each turn of a batch just registered, the turn registered right before it in
     the batch if both have one key, the same: on that key's line, the two tickets are next to
@@ -493,10 +526,11 @@ def _chain(registered: list[EarlyTurn], live: Mapping[int, EarlyTurn]) -> None:
             continue
         if ahead is not None and len(early.keys) == 1 and early.keys.keys() == ahead.keys.keys():
             early.behind = ahead
+            ahead.followed_by = early
         ahead = early
 
 
-async def _results(cursor: psycopg.AsyncCursor[Any]) -> list[list[Any]]:
+async def all_rows(cursor: psycopg.AsyncCursor[Any]) -> list[list[Any]]:
     """The rows of every statement of a multi-statement query, in order (none for those
     without rows)."""
     results: list[list[Any]] = []

@@ -63,6 +63,7 @@ from psycopg_pool import AsyncConnectionPool
 from .._background import Background
 from ._desk import EarlyTurn, TicketDesk
 from ._errors import naming
+from ._statements import TurnSql
 from ._turn import PgTurn
 
 Task = asyncio.Task[Any]
@@ -81,7 +82,7 @@ class EarlyTurns:
         pool: AsyncConnectionPool[Any],
         table: str,
         schema: str | None,
-        lease: float,
+        turn_sql: TurnSql,
         begin: Callable[[EarlyTurn], Awaitable[PgTurn]],
         begin_direct: Callable[
             [Mapping[int, Hashable], float | None, asyncio.AbstractEventLoop],
@@ -89,7 +90,9 @@ class EarlyTurns:
         ],
         rollback: Callable[[PgTurn], Awaitable[None]],
     ) -> None:
+        lease = turn_sql.lease
         self.lease = lease
+        self.turn_sql = turn_sql
         self.begin = begin
         self.begin_direct = begin_direct
         self.rollback = rollback
@@ -203,6 +206,9 @@ class EarlyTurns:
                     continue  # a verdict will come
                 verdict = "go"
             if verdict == "go":
+                handed, early.handed = early.handed, None
+                if handed is not None:
+                    return handed
                 if early.after and await self._held_back(early):
                     continue  # it took a new ticket meanwhile: the verdict was the old one's
                 early.begun = True
@@ -230,6 +236,91 @@ class EarlyTurns:
         if begin.cancelled() or begin.exception() is not None:
             self.desk.unchain(early)  # it never held them: ``early`` is asked about
             return False
+        await ahead.ended.wait()  # its commit may have begun this turn (`hand_over`)
+        return early.ticket == ticket and early.behind is ahead
+
+    def closing(
+        self, turn: PgTurn, early: EarlyTurn | None, server_version: int
+    ) -> tuple[list[str], EarlyTurn | None]:
+        """The statements of ``turn``'s commit (``early``: its call's), and the turn they begin
+        right after the COMMIT, if any (`hand_over`).
+
+        A ticket's commit gives the ticket back and tells its line (`TicketSql.give_back`),
+        unless no one needs telling (`quiet`).
+        """
+        if turn.ticket is None:
+            return ["COMMIT"], None
+        tickets, locks = [turn.ticket], sorted(turn.keys)
+        sql = self.desk.sql
+        statements = [] if self.quiet(early, turn.keys) else [sql.tell(tickets, locks)]
+        statements += [sql.delete(tickets), "COMMIT"]
+        follower = self.hand_over(early, turn.keys)
+        if follower is not None:
+            statements += self.turn_sql.first(
+                sorted(follower.keys), "0", server_version, True, follower.ticket, None, True
+            )
+        return statements, follower
+
+    def closed(
+        self,
+        turn: PgTurn,
+        follower: EarlyTurn | None,
+        told: list[Any],
+        last: tuple[Any, ...] | None,
+    ) -> PgTurn | None:
+        """``turn`` committed, with the statements of `closing`: ``told`` holds the rows of
+        its tell, ``last`` the fence row of ``follower``'s turn. The turn handed over to
+        ``follower`` on ``turn``'s connection, or None (if ``follower`` is not None, its
+        transaction, begun without the locks or no longer wanted, is to be rolled back)."""
+        if turn.ticket is not None:
+            turn.ticket = None  # given back
+            self.desk.moved(told)
+        if follower is None:
+            return None
+        handed = None
+        if last is not None and last[1] == "false":  # the follower holds its locks
+            handed = PgTurn(turn.connection, int(last[0]), set(follower.keys), follower.ticket)
+        return handed if self.handed(follower, handed) else None
+
+    def quiet(self, early: EarlyTurn | None, keys: set[int]) -> bool:
+        """Whether the commit of ``early``'s turn (holding ``keys``) may give its ticket back
+        without telling anyone: the next two tickets of its line are this process's, each
+        following the one ahead (they never wait for a word)."""
+        if early is None or keys != set(early.keys):
+            return False
+        follower = early.followed_by
+        if follower is None or follower.behind is not early:
+            return False
+        second = follower.followed_by
+        return second is not None and second.behind is follower
+
+    def hand_over(self, early: EarlyTurn | None, keys: set[int]) -> EarlyTurn | None:
+        """The turn whose transaction the commit of ``early``'s turn (holding ``keys``) begins,
+        right after its COMMIT, in the same round trip: the next ticket of its line, if it is
+        this process's, follows it, and waits for nothing else. Marked begun."""
+        if early is None or keys != set(early.keys):
+            return None
+        follower = early.followed_by
+        if (
+            follower is None
+            or follower.behind is not early
+            or follower.withdrawn
+            or follower.begun
+            or follower.ticket is None
+            or not all(direct.placed.is_set() for direct in follower.after)
+        ):
+            return None
+        follower.begun = True
+        follower.since = asyncio.get_running_loop().time()
+        return follower
+
+    def handed(self, follower: EarlyTurn, turn: PgTurn | None) -> bool:
+        """The commit that began ``follower``'s turn is back with it (None: it failed, or the
+        lock was taken); whether ``follower`` takes it (else it is to be rolled back)."""
+        if turn is None or follower.withdrawn:
+            follower.begun = False
+            return False
+        follower.handed = turn
         return True
 
     async def _held_back(self, early: EarlyTurn) -> bool:
@@ -268,6 +359,7 @@ class EarlyTurns:
         if early.withdrawn:
             return None
         early.withdrawn = True
+        early.ended.set()
         calls_on = self.calls_on
         for lock in early.keys:
             left = calls_on[lock] - 1

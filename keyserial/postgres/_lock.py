@@ -87,7 +87,9 @@ class PostgresLock:
         try:
             if entered is not None:
                 task, turn, keeper = entered
-                await self._turns.leave(task, turn, keeper, failed=exc is not None)
+                await self._turns.leave(
+                    task, turn, keeper, failed=exc is not None, early=self._early
+                )
         finally:
             # The process's own turn is given back whatever became of the transaction.
             await self._local.__aexit__(exc_type, exc, tb)

@@ -172,13 +172,13 @@ class PostgresKeyedQueue:
             result = await called(fn, args, kwargs)
         except BaseException as exc:
             leave_turn(task, record)
-            await self._turns.leave(task, turn, keeper, failed=True)
+            await self._turns.leave(task, turn, keeper, failed=True, early=early)
             error = turn_error(exc, turn, keeper)
             if error is exc:
                 raise
             raise error from exc
         leave_turn(task, record)
-        await self._turns.leave(task, turn, keeper, failed=False)
+        await self._turns.leave(task, turn, keeper, failed=False, early=early)
         return result
 
     def run(

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from psycopg import sql
 
+from ._sql_text import rendered
 from ._tickets import OTHERS_WAITING, ticket_lock
 
 #: The first server version with ``client_connection_check_interval`` (PostgreSQL 14).
 _CHECKS_CLIENT = 140000
-_OTHERS = sql.Literal(OTHERS_WAITING)
+_OTHERS = rendered(sql.Literal(OTHERS_WAITING))
 
 
 def milliseconds(seconds: float) -> str:
@@ -16,11 +17,10 @@ def milliseconds(seconds: float) -> str:
     return f"{max(1, int(seconds * 1000))}ms"
 
 
-def _setting(name: str, seconds: float) -> sql.Composed:
-    """``SELECT set_config(name, '...ms', true)``: a setting of the turn's transaction only."""
-    return sql.SQL("SELECT set_config({}, {}, true)").format(
-        sql.Literal(name), sql.Literal(milliseconds(seconds))
-    )
+def _setting(name: str, value: str) -> str:
+    """``SELECT set_config(name, value, true)``: a setting of the turn's transaction only
+    (``name`` and ``value`` are this package's own: no quotes in them)."""
+    return f"SELECT set_config('{name}', '{value}', true)"
 
 
 class TurnSql:
@@ -30,8 +30,12 @@ class TurnSql:
         self.lease = lease
         #: How often a statement running in a turn checks that its client is still there.
         self.check_interval = min(1.0, lease / 3)
-        self.next_fence = sql.SQL("SELECT nextval({})").format(
-            sql.Literal(sequence.as_string(None))
+        self.next_fence = f"SELECT nextval({rendered(sql.Literal(sequence.as_string(None)))})"
+        self.begin = ["BEGIN", _setting("idle_in_transaction_session_timeout", milliseconds(lease))]
+        # A holder killed inside a long statement closes its socket; the server notices
+        # within this interval and ends the turn, instead of when the statement ends.
+        self.checks = _setting(
+            "client_connection_check_interval", milliseconds(self.check_interval)
         )
 
     def first(
@@ -41,49 +45,48 @@ class TurnSql:
         server_version: int,
         begin: bool,
         ticket: int | None,
-        others_waiting: sql.Composable | None,
-    ) -> sql.Composed:
-        """BEGIN (if ``begin``), the turn's settings, the locks of ``locks`` (ascending), the
-        fence: the last statement's row holds the fence.
+        others_waiting: str | None,
+        try_only: bool = False,
+    ) -> list[str]:
+        """The statements of BEGIN (if ``begin``), the turn's settings, the locks of
+        ``locks`` (ascending), the fence: the last statement's row holds the fence.
 
         A fair-mode ``ticket``'s try-lock comes before the keys' locks (see _early). With
         ``others_waiting`` (a direct turn), that statement runs first, the locks are taken
         only if it found no other process's call waiting with a ticket, and the fence's row
-        also holds its answer, ``'false'`` if the locks were taken.
+        also holds its answer, ``'false'`` if the locks were taken. With ``try_only`` (a
+        turn begun by the commit of the turn ahead: see ``EarlyTurns.hand_over``), the locks
+        are tried, not waited for, and the fence's row says ``'false'`` if they were taken.
 
         Sent as one simple query of several statements, not in pipeline mode: the server
         arms its idle-in-transaction timer after a simple query, but not after the Sync
         that ends a pipeline, and without that timer a holder stopped before its first
         statement would keep the key for as long as it stays stopped.
         """
-        statements: list[sql.Composable] = []
+        statements: list[str] = []
         if begin:
-            statements.append(sql.SQL("BEGIN"))
-            statements.append(_setting("idle_in_transaction_session_timeout", self.lease))
+            statements += self.begin
             if server_version >= _CHECKS_CLIENT:
-                # A holder killed inside a long statement closes its socket; the server
-                # notices within this interval and ends the turn, instead of when the
-                # statement ends.
-                statements.append(_setting("client_connection_check_interval", self.check_interval))
-        statements.append(
-            sql.SQL("SELECT set_config('lock_timeout', {}, true)").format(sql.Literal(lock_timeout))
-        )
+                statements.append(self.checks)
+        statements.append(_setting("lock_timeout", lock_timeout))
         if ticket is not None:
             statements.append(
-                sql.SQL("SELECT pg_try_advisory_xact_lock({}, {})").format(
-                    *map(sql.Literal, ticket_lock(ticket))
-                )
+                "SELECT pg_try_advisory_xact_lock({}, {})".format(*ticket_lock(ticket))
             )
-        condition: sql.Composable = sql.SQL("")
-        fence: sql.Composable = self.next_fence
+        fence = self.next_fence
         if others_waiting is not None:
             statements.append(others_waiting)
-            condition = sql.SQL(" WHERE current_setting({}) = 'false'").format(_OTHERS)
-            fence = sql.SQL("{}, current_setting({})").format(self.next_fence, _OTHERS)
-        statements.extend(
-            sql.SQL("SELECT pg_advisory_xact_lock({}){}").format(sql.Literal(lock), condition)
-            for lock in locks
-        )
-        statements.append(sql.SQL("SET LOCAL lock_timeout TO DEFAULT"))
+            statements += [
+                f"SELECT pg_advisory_xact_lock({lock}) WHERE current_setting({_OTHERS}) = 'false'"
+                for lock in locks
+            ]
+            fence = f"{fence}, current_setting({_OTHERS})"
+        elif try_only:
+            tries = " AND ".join(f"pg_try_advisory_xact_lock({lock})" for lock in locks)
+            statements.append(f"SELECT set_config({_OTHERS}, (NOT ({tries}))::text, true)")
+            fence = f"{fence}, current_setting({_OTHERS})"
+        else:
+            statements += [f"SELECT pg_advisory_xact_lock({lock})" for lock in locks]
+        statements.append("SET LOCAL lock_timeout TO DEFAULT")
         statements.append(fence)  # after the locks: ordered
-        return sql.SQL("; ").join(statements)
+        return statements

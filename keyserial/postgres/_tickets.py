@@ -19,6 +19,7 @@ import secrets
 from psycopg import sql
 
 from ._setup import sequence, ticket_table
+from ._sql_text import bigints, rendered
 
 _LOW31 = (1 << 31) - 1
 _LOW32 = (1 << 32) - 1
@@ -77,6 +78,12 @@ class TicketSql:
         self.owner = sql.Literal(owner)
         self.lease = sql.Literal(f"{max(1, int(lease * 1000))} milliseconds")
         self.gone = sql.Literal(f"{max(1, int(3 * lease * 1000))} milliseconds")
+        # The same, as text, for the statements put together as text (see `_sql_text`).
+        self.table_text = rendered(self.table)
+        self.sequence_text = rendered(sql.Literal(self.sequence.as_string(None)))
+        self.channels_text = rendered(sql.Literal(self.channels))
+        self.lease_text = rendered(self.lease)
+        self.others_setting = rendered(sql.Literal(OTHERS_WAITING))
 
     def verdict(self, ticket: sql.Composable) -> sql.Composed:
         """An expression: ``ticket``'s verdict (the rules are in ``_early``'s docstring)."""
@@ -116,44 +123,33 @@ class TicketSql:
             "ELSE 'go' END"
         ).format(t=self.table, ticket=ticket, owner=self.owner, ahead=ahead, in_server=in_server)
 
-    def others_waiting(self, locks: list[int]) -> sql.Composed:
+    def others_waiting(self, locks: list[int]) -> str:
         """Note in the transaction's setting `OTHERS_WAITING` whether a call of another process
         holds a fresh ticket on any of ``locks``' lines: a direct turn then locks nothing (see
         ``_early``)."""
-        return sql.SQL(
-            "SELECT set_config({setting}, EXISTS (SELECT 1 FROM {t} "
-            "WHERE lock = ANY({locks}::bigint[]) AND owner <> {owner} "
-            "AND seen > clock_timestamp() - {lease}::interval)::text, true)"
-        ).format(
-            setting=sql.Literal(OTHERS_WAITING),
-            t=self.table,
-            locks=sql.Literal(locks),
-            owner=self.owner,
-            lease=self.lease,
+        return (
+            f"SELECT set_config({self.others_setting}, EXISTS (SELECT 1 FROM {self.table_text} "
+            f"WHERE lock = ANY({bigints(locks)}) AND owner <> {self.owner_id} "
+            f"AND seen > clock_timestamp() - {self.lease_text}::interval)::text, true)"
         )
 
-    def registering(self, locks: list[int]) -> sql.Composed:
+    def registering(self, locks: list[int]) -> list[str]:
         """Take the registration locks of ``locks``' lines, in order, for the transaction.
 
         Registrations on one line then commit in the order their tickets were drawn, so a
         verdict asked after a registration's commit sees every smaller ticket of the line.
         """
-        return sql.SQL("; ").join(
-            sql.SQL("SELECT pg_advisory_xact_lock({})").format(sql.Literal(registration_lock(lock)))
+        return [
+            f"SELECT pg_advisory_xact_lock({registration_lock(lock)})"
             for lock in sorted(set(locks))
-        )
+        ]
 
-    def register(self, locks: list[int]) -> sql.Composed:
+    def register(self, locks: list[int]) -> str:
         """One call's rows, under one new ticket."""
-        return sql.SQL(
-            "INSERT INTO {t} (lock, ticket, owner, seen) "
-            "SELECT l, n.ticket, {owner}, clock_timestamp() "
-            "FROM (SELECT nextval({seq}) AS ticket) n, unnest({locks}::bigint[]) l"
-        ).format(
-            t=self.table,
-            owner=self.owner,
-            seq=sql.Literal(self.sequence.as_string(None)),
-            locks=sql.Literal(locks),
+        return (
+            f"INSERT INTO {self.table_text} (lock, ticket, owner, seen) "
+            f"SELECT l, n.ticket, {self.owner_id}, clock_timestamp() "
+            f"FROM (SELECT nextval({self.sequence_text}) AS ticket) n, unnest({bigints(locks)}) l"
         )
 
     def prepare(self) -> sql.Composed:
@@ -171,39 +167,45 @@ class TicketSql:
             "WHERE owner = {owner} ORDER BY ticket DESC LIMIT $1) n ORDER BY t"
         ).format(verdict=self.verdict(sql.SQL("t")), table=self.table, owner=self.owner)
 
-    def new_verdicts(self, count: int) -> sql.Composed:
+    def new_verdicts(self, count: int) -> str:
         """The ``count`` tickets this process drew last, in order, and their verdicts."""
-        return sql.SQL("EXECUTE keyserial_new_verdicts({})").format(sql.Literal(count))
+        return f"EXECUTE keyserial_new_verdicts({int(count)})"
 
-    def verdicts(self, tickets: list[int]) -> sql.Composed:
-        return sql.SQL("EXECUTE keyserial_verdicts({}::bigint[])").format(sql.Literal(tickets))
+    def verdicts(self, tickets: list[int]) -> str:
+        """``tickets`` and their verdicts."""
+        return f"EXECUTE keyserial_verdicts({bigints(tickets)})"
 
-    def give_back(self, tickets: list[int], locks: list[int]) -> sql.Composed:
-        """Delete ``tickets``' rows; tell each of ``locks``' lines who may now go.
+    def give_back(self, tickets: list[int], locks: list[int]) -> list[str]:
+        """Tell each of ``locks``' lines who may go once ``tickets`` (this process's) are given
+        back; delete ``tickets``' rows.
 
-        The payload, ``<lock>:<ticket>``, names the second ticket of the line (the first is
-        the next call's, in the server's queue already), or the first if it is alone: only
-        the calls up to it are asked again, so it goes to the processes of the first two
-        tickets only. A ticket named that is dead or stopped leaves the line to the
-        heartbeat, which asks every parked call.
+        The word, ``<lock>:<ticket>``, names the second ticket left on the line (the first
+        is the next call's, in the server's queue already), or the first if it is alone:
+        only the calls up to it are asked again, so it goes to the processes of the first
+        two tickets only. Other processes get it as a notification (``pg_notify``), sent
+        when the transaction commits; this process's own share comes back as the first
+        statement's rows ``(lock, ticket, _, true)`` (see `TicketDesk.moved`). A ticket
+        named that is dead or stopped leaves the line to the heartbeat, which asks every
+        parked call.
         """
-        next_up = sql.SQL(
-            "COALESCE((SELECT ticket FROM {t} WHERE lock = l ORDER BY ticket OFFSET 1 LIMIT 1), "
-            "(SELECT min(ticket) FROM {t} WHERE lock = l))"
-        ).format(t=self.table)
-        return sql.SQL(
-            "DELETE FROM {t} WHERE owner = {owner} AND ticket = ANY({tickets}::bigint[]); "
-            "SELECT pg_notify({channels} || lpad(to_hex(o.owner), 16, '0'), l || ':' || h) "
-            "FROM unnest({locks}::bigint[]) l, LATERAL (SELECT {next_up}) x(h), "
-            "LATERAL (SELECT owner FROM {t} WHERE lock = l ORDER BY ticket LIMIT 2) o "
-            "WHERE h IS NOT NULL"
-        ).format(
-            t=self.table,
-            owner=self.owner,
-            tickets=sql.Literal(tickets),
-            channels=sql.Literal(self.channels),
-            locks=sql.Literal(locks),
-            next_up=next_up,
+        return [self.tell(tickets, locks), self.delete(tickets)]
+
+    def tell(self, tickets: list[int], locks: list[int]) -> str:
+        """The first statement of `give_back`."""
+        return (
+            f"SELECT l, o.h, CASE WHEN o.owner <> {self.owner_id} THEN pg_notify("
+            f"{self.channels_text} || lpad(to_hex(o.owner), 16, '0'), l || ':' || o.h) END, "
+            f"o.owner = {self.owner_id} "
+            f"FROM unnest({bigints(locks)}) l, LATERAL (SELECT owner, max(ticket) OVER () "
+            f"FROM (SELECT owner, ticket FROM {self.table_text} WHERE lock = l "
+            f"AND ticket <> ALL({bigints(tickets)}) ORDER BY ticket LIMIT 2) f) o(owner, h)"
+        )
+
+    def delete(self, tickets: list[int]) -> str:
+        """The second statement of `give_back`."""
+        return (
+            f"DELETE FROM {self.table_text} "
+            f"WHERE owner = {self.owner_id} AND ticket = ANY({bigints(tickets)})"
         )
 
     def heartbeat(self, tickets: list[int]) -> sql.Composed:

@@ -35,6 +35,7 @@ from ._errors import (
     naming,
 )
 from ._setup import ensure_sequence, ensure_ticket_table, sequence
+from ._sql_text import query
 from ._statements import TurnSql, milliseconds
 from ._turn import PgTurn, SessionKeeper
 
@@ -99,7 +100,13 @@ class PostgresTurns:
         self.sql = TurnSql(self.sequence, lease)
         #: Fair mode's tickets, and the turns they begin (see _early).
         self.early = EarlyTurns(
-            pool, table, schema, lease, self.begin_ticket, self.begin_direct, self.rollback
+            pool,
+            table,
+            schema,
+            self.sql,
+            self.begin_ticket,
+            self.begin_direct,
+            self.rollback,
         )
 
     async def begin(
@@ -210,7 +217,7 @@ class PostgresTurns:
                 raise TimeoutError(
                     f"timed out waiting for a connection for the turn of {naming(keys)}"
                 ) from exc
-            unreachable = await self._unreachable()
+            unreachable = await _unreachable(self.pool)
             if unreachable is None:
                 raise PoolExhausted(
                     f"no connection for the turn of {naming(keys)}: every connection of the "
@@ -244,19 +251,6 @@ class PostgresTurns:
                 self.timed_out[watched] = diagnostic.message_primary or "25P03"
 
         connection.add_notice_handler(on_notice)
-
-    async def _unreachable(self) -> str | None:
-        """Why the server cannot be reached, or None if it can (the pool was only full).
-
-        Asked only after the pool gave no connection within its timeout: a pool whose
-        server is down times out the same way as one whose connections are all in use.
-        """
-        try:
-            probe = await connect_beside(self.pool, connect_timeout=5)
-        except psycopg.Error as exc:
-            return str(exc)
-        await probe.close()
-        return None
 
     async def extend(
         self,
@@ -300,24 +294,20 @@ class PostgresTurns:
             statements = self.sql.first(
                 sorted(keys), lock_timeout, connection.info.server_version, begin, ticket, others
             )
-            last = await _cancelled_once(_last_row(connection, statements))
-        except psycopg.errors.LockNotAvailable as exc:
-            raise TimeoutError(f"timed out waiting for the turn of {naming(keys)}") from exc
-        except psycopg.errors.DeadlockDetected as exc:
-            raise DeadlockError(
-                f"deadlock: PostgreSQL broke a cycle of transactions waiting for each other, "
-                f"this one waiting for {naming(keys)}",
-                keys=list(keys.values()),
-                tasks=[],
-            ) from exc
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
+            last = await _cancelled_once(_last_row(connection, query(statements)))
+        except psycopg.Error as exc:
+            error = _wait_error(exc, keys)
+            if error is exc:
+                raise
+            raise error from exc
         assert last is not None
         if direct and last[1] != "false":
             return None
         return int(last[0])
 
-    async def commit(self, turn: PgTurn, *, stalled: bool = False) -> None:
+    async def commit(
+        self, turn: PgTurn, *, stalled: bool = False, early: EarlyTurn | None = None
+    ) -> None:
         """End the turn: commit its transaction (the locks go with it), give the connection back.
 
         ``stalled``: the process stopped running for longer than the lease during the turn.
@@ -341,23 +331,27 @@ class PostgresTurns:
             if stalled:
                 raise _lease_expired("before its commit")
             raise PostgresUnavailable("the turn's connection was lost before its commit")
-        commit: sql.SQL | sql.Composed = sql.SQL("COMMIT")
-        if turn.ticket is not None:
-            # Fair mode: the ticket is given back with the locks, and its keys' lines
-            # notified, in the same commit (see _early).
-            locks = sorted(turn.keys)
-            commit = sql.SQL("{}; COMMIT").format(
-                self.early.desk.sql.give_back([turn.ticket], locks)
-            )
+        statements, follower = self.early.closing(turn, early, connection.info.server_version)
         try:
-            await connection.execute(commit)
+            cursor = await connection.execute(query(statements))
+            told = list(await cursor.fetchall()) if cursor.description else []
+            while cursor.nextset():
+                pass
+            last = await cursor.fetchone() if follower is not None else None
         except BaseException as exc:
+            if follower is not None:
+                self.early.handed(follower, None)
             await self._discard(connection)
-            error = _commit_error(exc, self.timed_out.get(connection))
+            error = _commit_error(exc, self.timed_out.get(connection), follower is not None)
             if error is exc:
                 raise
             raise error from exc
-        turn.ticket = None
+        if self.early.closed(turn, follower, told, last) is not None:
+            self._watch(connection)  # it holds the follower's turn now
+            return
+        if follower is not None:  # its transaction began without the locks
+            await self._discard(connection)
+            return
         await connection.set_autocommit(self.autocommit.pop(id(connection), False))
         await self.pool.putconn(connection)
 
@@ -459,7 +453,12 @@ class PostgresTurns:
         return turn, since
 
     async def leave(
-        self, task: Task, turn: PgTurn, keeper: SessionKeeper | None, failed: bool
+        self,
+        task: Task,
+        turn: PgTurn,
+        keeper: SessionKeeper | None,
+        failed: bool,
+        early: EarlyTurn | None = None,
     ) -> None:
         """End a turn ``enter`` gave: commit it, or roll it back if its call ``failed``.
 
@@ -477,14 +476,44 @@ class PostgresTurns:
         if failed:
             await self.rollback(turn)
         else:
-            await self.commit(turn, stalled=stalled)
+            await self.commit(turn, stalled=stalled, early=early)
+
+
+async def _unreachable(pool: AsyncConnectionPool[Any]) -> str | None:
+    """Why ``pool``'s server cannot be reached, or None if it can (the pool was only full).
+
+    Asked only after the pool gave no connection within its timeout: a pool whose
+    server is down times out the same way as one whose connections are all in use.
+    """
+    try:
+        probe = await connect_beside(pool, connect_timeout=5)
+    except psycopg.Error as exc:
+        return str(exc)
+    await probe.close()
+    return None
+
+
+def _wait_error(exc: psycopg.Error, keys: Mapping[int, Hashable]) -> BaseException:
+    """What a turn reports when the statements that wait for its locks failed with ``exc``."""
+    if isinstance(exc, psycopg.errors.LockNotAvailable):  # its lock_timeout: the deadline
+        return TimeoutError(f"timed out waiting for the turn of {naming(keys)}")
+    if isinstance(exc, psycopg.errors.DeadlockDetected):
+        return DeadlockError(
+            f"deadlock: PostgreSQL broke a cycle of transactions waiting for each other, "
+            f"this one waiting for {naming(keys)}",
+            keys=list(keys.values()),
+            tasks=[],
+        )
+    if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+        return PostgresUnavailable(f"PostgreSQL is unreachable: {exc}")
+    return exc
 
 
 async def _last_row(
-    connection: AsyncConnection[Any], query: sql.Composed
+    connection: AsyncConnection[Any], statements: sql.SQL
 ) -> tuple[Any, ...] | None:
-    """Send ``query`` (several statements, as one simple query); its last statement's row."""
-    cursor = await connection.execute(query)
+    """Send ``statements`` (as one simple query); the last statement's row."""
+    cursor = await connection.execute(statements)
     while cursor.nextset():
         pass
     return await cursor.fetchone()
@@ -516,13 +545,27 @@ def _lease_expired(detail: str) -> LeaseExpired:
     )
 
 
-def _commit_error(exc: BaseException, timed_out: str | None = None) -> BaseException:
+def _commit_error(
+    exc: BaseException, timed_out: str | None = None, begins_next: bool = False
+) -> BaseException:
     """What a failed ``COMMIT`` means for the turn's writes.
 
     Only the server's word counts here: a commit whose reply was lost is in doubt even after
     a stall, since the keeper's view of the stall is an estimate. ``timed_out``: the server
     said, in a notice, that it ended the session for idling past the lease.
+    ``begins_next``: the query went on after the COMMIT, beginning the next turn; the
+    statements of that part fail only when the server ends the session (an operator's
+    intervention, SQLSTATE class 57), which may have come after the COMMIT.
     """
+    if (
+        begins_next
+        and isinstance(exc, psycopg.OperationalError)
+        and (exc.sqlstate or "").startswith("57")
+    ):
+        return CommitInDoubt(
+            "the server ended the session while the turn's COMMIT was on its way: its writes "
+            f"may or may not have been kept; read them back before retrying ({exc})"
+        )
     if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout):
         return _lease_expired(f"before its commit ({exc})")
     if timed_out is not None and isinstance(

@@ -1,0 +1,32 @@
+"""SQL put together as text, for the statements a turn sends each time.
+
+Composing them with ``psycopg.sql`` on every call costs more than the hand-off itself does
+in the database; they are put together from integers and from names and literals that
+psycopg rendered once (`rendered`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from psycopg import sql
+
+
+def rendered(composable: sql.Composable) -> str:
+    """``composable`` (a name or a literal) as SQL text, rendered without a connection."""
+    return composable.as_string(None)
+
+
+def bigints(values: Iterable[int]) -> str:
+    """``values`` as an SQL array of bigints."""
+    return f"ARRAY[{', '.join(map(str, values))}]::bigint[]"
+
+
+def query(statements: Iterable[str]) -> sql.SQL:
+    """``statements`` as one query of several statements.
+
+    Each is text made only of this package's fixed SQL, integers, and names and literals
+    that `rendered` made: nothing a caller passes as a string reaches it unquoted.
+    """
+    # psycopg types the text of sql.SQL as a LiteralString, which this text is made of.
+    return sql.SQL("; ".join(statements))  # pyright: ignore[reportArgumentType]
