@@ -289,10 +289,10 @@ class EarlyTurns:
         if early is None or keys != set(early.keys):
             return False
         follower = early.followed_by
-        if follower is None or follower.behind is not early:
-            return False
+        if follower is None or follower.behind is not early or follower.withdrawn:
+            return False  # a withdrawn one's row may be gone already: the next is told
         second = follower.followed_by
-        return second is not None and second.behind is follower
+        return second is not None and second.behind is follower and not second.withdrawn
 
     def hand_over(self, early: EarlyTurn | None, keys: set[int]) -> EarlyTurn | None:
         """The turn whose transaction the commit of ``early``'s turn (holding ``keys``) begins,
@@ -379,6 +379,9 @@ class EarlyTurns:
             await asyncio.wait([begin])
             if not begin.cancelled() and begin.exception() is None:
                 await self.rollback(begin.result())  # it had the locks already
+        handed, early.handed = early.handed, None
+        if handed is not None:  # handed over, and never taken by its begin task
+            await self.rollback(handed)
         self.desk.give_back(early)
 
     async def take_up(

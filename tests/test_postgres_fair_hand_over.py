@@ -1,0 +1,226 @@
+"""PostgreSQL fair mode: a commit that begins the next ticket's turn of its own process, and
+tells its line only what another process needs to hear."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from keyserial.postgres import CommitInDoubt, PostgresKeyedQueue, connection, lock_id
+from keyserial.postgres._desk import EarlyTurn
+from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
+from keyserial.postgres._sql_text import query
+from keyserial.postgres._tickets import TicketSql, new_owner
+from keyserial.postgres._turn import PgTurn
+from keyserial.postgres._turns import _commit_error  # pyright: ignore[reportPrivateUsage]
+
+from .conftest import Pools
+from .fair_lines import until_waiting_in_server
+from .redis_helpers import until
+from .turn_notes import TurnNotes
+
+pytestmark = pytest.mark.asyncio
+
+
+def _counted(target: object, name: str) -> list[int]:
+    """Count the calls of ``target``'s method ``name`` (one entry per call)."""
+    original = getattr(target, name)
+    calls: list[int] = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(target, name, counting)
+    return calls
+
+
+async def _free(pools: Pools, key: str) -> bool:
+    """Whether no transaction holds ``key``'s lock of namespace ``t``."""
+    async with (await pools(max_size=1)).connection() as conn:
+        await conn.execute("BEGIN")
+        cursor = await conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (lock_id("t", key),))
+        row = await cursor.fetchone()
+        await conn.execute("ROLLBACK")
+    return row is not None and bool(row[0])
+
+
+async def test_the_next_ticket_of_the_process_begins_in_the_commit_of_the_one_ahead(
+    pools: Pools,
+) -> None:
+    # c0..c3 take their tickets in one round trip behind the holder. c0 begins its turn on
+    # its own; each of c1..c3 begins in the commit of the one ahead, on its connection.
+    queue = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
+    notes = TurnNotes()
+    begun = _counted(queue._turns.early, "begin")  # pyright: ignore[reportPrivateUsage]
+    backends: dict[str, int] = {}
+
+    async def note(name: str) -> None:
+        notes.order.append(name)
+        cursor = await connection().execute("SELECT pg_backend_pid()")
+        row = await cursor.fetchone()
+        assert row is not None
+        backends[name] = int(row[0])
+
+    holder = asyncio.create_task(queue.run("k", notes.hold))
+    await notes.until_holding()
+    calls = [asyncio.create_task(queue.run("k", note, f"c{n}")) for n in range(4)]
+    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
+    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
+    notes.release.set()
+    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    assert notes.order == ["hold", "c0", "c1", "c2", "c3"]
+    assert len(begun) == 1, "c1..c3 began their turns on their own"
+    assert len(set(backends.values())) == 1
+    await queue.aclose()
+    assert await _free(pools, "k")
+
+
+async def test_a_commit_tells_no_one_while_the_next_two_tickets_follow_their_own(
+    pools: Pools,
+) -> None:
+    # c0's and c1's commits have two tickets of their own process next, each following
+    # the one ahead: no one waits for a word. c2's and c3's tell their line.
+    queue = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
+    notes = TurnNotes()
+    told = _counted(queue._turns.early.desk.sql, "tell")  # pyright: ignore[reportPrivateUsage]
+    holder = asyncio.create_task(queue.run("k", notes.hold))
+    await notes.until_holding()
+    calls = [asyncio.create_task(queue.run("k", notes.note, f"c{n}")) for n in range(4)]
+    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
+    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
+    notes.release.set()
+    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    assert notes.order == ["hold", "c0", "c1", "c2", "c3"]
+    assert len(told) == 2
+    await queue.aclose()
+
+
+async def test_a_commit_tells_its_own_process_in_its_rows_not_by_notification(
+    postgres_dsn: str,
+) -> None:
+    # Tickets 100 (a, given back), 101 (a) and 102 (b) wait on one key: b is notified, and
+    # a's share, that 101 and 102 are next, comes back as the tell's rows.
+    owners = {name: new_owner() for name in "ab"}
+    key = lock_id("t", "k")
+    tickets = {name: TicketSql("fences", None, 10.0, owner) for name, owner in owners.items()}
+    connect = functools.partial(psycopg.AsyncConnection.connect, postgres_dsn, autocommit=True)
+    async with await connect() as a:
+        await ensure_sequence(a, "fences", None)
+        await ensure_ticket_table(a, "fences", None)
+        await a.execute(
+            "INSERT INTO fences_tq VALUES (%s, 100, %s, now()), (%s, 101, %s, now()), "
+            "(%s, 102, %s, now())",
+            (key, owners["a"], key, owners["a"], key, owners["b"]),
+        )
+        listeners = {name: await connect() for name in "ab"}
+        try:
+            for name, listener in listeners.items():
+                channel = sql.Identifier(tickets[name].channel)
+                await listener.execute(sql.SQL("LISTEN {}").format(channel))
+            await a.execute("BEGIN")
+            cursor = await a.execute(query(tickets["a"].give_back([100], [key])))
+            rows = await cursor.fetchall()
+            await a.execute("COMMIT")
+            woken: dict[str, list[str]] = {}
+            for name, listener in listeners.items():
+                woken[name] = [n.payload async for n in listener.notifies(timeout=0.5)]
+        finally:
+            for listener in listeners.values():
+                await listener.close()
+    assert woken == {"a": [], "b": [f"{key}:102"]}
+    assert [(row[0], row[1], row[3]) for row in rows] == [(key, 102, True), (key, 102, False)]
+
+
+async def test_a_call_cancelled_as_the_turn_ahead_hands_it_over_leaves_nothing_open(
+    pools: Pools,
+) -> None:
+    # c1's call is cancelled right after c0's commit began c1's turn: that transaction is
+    # rolled back and its connection goes back to the pool; c2 runs.
+    pool = await pools()
+    queue = PostgresKeyedQueue(pool, namespace="t", fair=True)
+    notes = TurnNotes()
+    early = queue._turns.early  # pyright: ignore[reportPrivateUsage]
+    closed = early.closed
+    calls: list[asyncio.Task[None]] = []
+
+    def closed_then_cancel(
+        turn: PgTurn,
+        follower: EarlyTurn | None,
+        told: list[Any],
+        last: tuple[Any, ...] | None,
+    ) -> PgTurn | None:
+        handed = closed(turn, follower, told, last)
+        if handed is not None and not calls[1].done():
+            calls[1].cancel()
+        return handed
+
+    early.closed = closed_then_cancel  # type: ignore[method-assign]
+    holder = asyncio.create_task(queue.run("k", notes.hold))
+    await notes.until_holding()
+    calls += [asyncio.create_task(queue.run("k", notes.note, f"c{n}")) for n in range(3)]
+    await until(lambda: early.desk.connection is not None and not early.desk.unregistered, "")
+    notes.release.set()
+    done = await asyncio.wait_for(asyncio.gather(holder, *calls, return_exceptions=True), 10)
+    assert isinstance(done[2], asyncio.CancelledError)
+    assert notes.order == ["hold", "c0", "c2"]
+    await queue.aclose()
+    assert await _free(pools, "k")
+    stats = pool.get_stats()
+    assert stats["pool_available"] == stats["pool_size"], stats
+
+
+async def test_a_hand_over_whose_key_another_transaction_took_begins_the_turn_on_its_own(
+    pools: Pools,
+) -> None:
+    # A transaction of another process waits in the server's queue for the key (a turn
+    # that reached it before c1 registered). c0's commit lets it have the key: c1's turn,
+    # tried in that commit, is not taken; c0's call returns at once, and c1 runs once the
+    # other transaction ends.
+    watcher = await pools(max_size=1)
+    pool = await pools()
+    queue = PostgresKeyedQueue(pool, namespace="t", fair=True)
+    notes = TurnNotes()
+    gate = asyncio.Event()
+
+    async def gated(name: str) -> None:
+        notes.order.append(name)
+        await gate.wait()
+
+    holder = asyncio.create_task(queue.run("k", notes.hold))
+    await notes.until_holding()
+    first = asyncio.create_task(queue.run("k", gated, "c0"))
+    second = asyncio.create_task(queue.run("k", notes.note, "c1"))
+    await until_waiting_in_server(watcher, 1)  # c0's transaction
+    notes.release.set()
+    await until(lambda: notes.order == ["hold", "c0"], "c0 starts")
+    async with (await pools(max_size=1)).connection() as other:
+        await other.execute("BEGIN")
+        waiting = asyncio.create_task(
+            other.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id("t", "k"),))
+        )
+        await until_waiting_in_server(watcher, 1)
+        gate.set()
+        await asyncio.wait_for(first, 10)  # c0's commit did not wait for the key
+        await waiting
+        await until_waiting_in_server(watcher, 1)  # c1's transaction, begun on its own
+        assert notes.order == ["hold", "c0"]
+        await other.execute("COMMIT")
+    await asyncio.wait_for(asyncio.gather(holder, second), 10)
+    assert notes.order == ["hold", "c0", "c1"]
+    await queue.aclose()
+    stats = pool.get_stats()
+    assert stats["pool_available"] == stats["pool_size"], stats
+
+
+async def test_a_session_ended_after_a_commit_that_began_the_next_turn_leaves_it_in_doubt() -> None:
+    # The part of the query after COMMIT fails only when the server ends the session, which
+    # may have come after the COMMIT: the writes may or may not have been kept.
+    ended = psycopg.errors.AdminShutdown("terminating connection due to administrator command")
+    assert isinstance(_commit_error(ended, None, True), CommitInDoubt)
+    assert not isinstance(_commit_error(ended, None, False), CommitInDoubt)
