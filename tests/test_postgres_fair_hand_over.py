@@ -137,17 +137,15 @@ async def test_a_commit_tells_its_own_process_in_its_rows_not_by_notification(
     assert [(row[0], row[1], row[3]) for row in rows] == [(key, 102, True), (key, 102, False)]
 
 
-async def test_a_call_cancelled_as_the_turn_ahead_hands_it_over_leaves_nothing_open(
-    pools: Pools,
-) -> None:
-    # c1's call is cancelled right after c0's commit began c1's turn: that transaction is
-    # rolled back and its connection goes back to the pool; c2 runs.
+async def test_a_turn_handed_over_but_never_taken_up_is_rolled_back(pools: Pools) -> None:
+    # c0's commit begins c1's turn, but c1's begin task ends (cancelled) before it takes
+    # the turn up: that transaction is rolled back and its connection goes back to the
+    # pool; c2 runs.
     pool = await pools()
     queue = PostgresKeyedQueue(pool, namespace="t", fair=True)
     notes = TurnNotes()
     early = queue._turns.early  # pyright: ignore[reportPrivateUsage]
     closed = early.closed
-    calls: list[asyncio.Task[None]] = []
 
     def closed_then_cancel(
         turn: PgTurn,
@@ -156,14 +154,15 @@ async def test_a_call_cancelled_as_the_turn_ahead_hands_it_over_leaves_nothing_o
         last: tuple[Any, ...] | None,
     ) -> PgTurn | None:
         handed = closed(turn, follower, told, last)
-        if handed is not None and not calls[1].done():
-            calls[1].cancel()
+        if handed is not None and follower is not None and follower.begin is not None:
+            follower.begin.cancel()
+            early.closed = closed  # type: ignore[method-assign]
         return handed
 
     early.closed = closed_then_cancel  # type: ignore[method-assign]
     holder = asyncio.create_task(queue.run("k", notes.hold))
     await notes.until_holding()
-    calls += [asyncio.create_task(queue.run("k", notes.note, f"c{n}")) for n in range(3)]
+    calls = [asyncio.create_task(queue.run("k", notes.note, f"c{n}")) for n in range(3)]
     await until(lambda: early.desk.connection is not None and not early.desk.unregistered, "")
     notes.release.set()
     done = await asyncio.wait_for(asyncio.gather(holder, *calls, return_exceptions=True), 10)
