@@ -370,6 +370,9 @@ class EarlyTurns:
         if early.direct:
             self.placed(early)
             return None  # it holds no ticket
+        if early.taken and early.handed is None:  # its turn ended with its call
+            self.desk.give_back(early)
+            return None
         return self.background.spawn(self._give_up(early))
 
     async def _give_up(self, early: EarlyTurn) -> None:
@@ -396,7 +399,9 @@ class EarlyTurns:
         begin = early.begin
         assert begin is not None
         try:
-            if deadline is None:
+            if begin.done():
+                pass  # begun while the call waited in this process (a hand-over, often)
+            elif deadline is None:
                 await asyncio.wait([begin])
             else:
                 await asyncio.wait([begin], timeout=max(0.0, deadline - loop.time()))
