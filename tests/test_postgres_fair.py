@@ -305,7 +305,7 @@ async def test_a_process_finds_its_own_tickets_without_reading_every_waiting_cal
         await conn.execute(tickets.prepare())
         statements = [
             tickets.verdicts([5001]),
-            tickets.new_verdicts(1),
+            tickets.new_verdicts(1, [1]),
             *tickets.give_back([5001], [key]),
             *(
                 statement

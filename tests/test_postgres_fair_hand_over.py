@@ -223,3 +223,49 @@ async def test_a_session_ended_after_a_commit_that_began_the_next_turn_leaves_it
     ended = psycopg.errors.AdminShutdown("terminating connection due to administrator command")
     assert isinstance(_commit_error(ended, None, True), CommitInDoubt)
     assert not isinstance(_commit_error(ended, None, False), CommitInDoubt)
+
+
+async def test_a_batch_asks_the_verdict_of_the_first_ticket_of_each_run_only(
+    postgres_dsn: str,
+) -> None:
+    # Three tickets of one process on one key: the batch that registered them asks the
+    # first one's verdict; the two that follow it get none (they follow the one ahead).
+    owner = new_owner()
+    key = lock_id("t", "k")
+    tickets = TicketSql("fences", None, 10.0, owner)
+    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as conn:
+        await ensure_sequence(conn, "fences", None)
+        await ensure_ticket_table(conn, "fences", None)
+        await conn.execute(query([tickets.register([key])] * 3))
+        await conn.execute(tickets.prepare())
+        cursor = await conn.execute(query([tickets.new_verdicts(3, [1])]))
+        verdicts = [row[1] for row in await cursor.fetchall()]
+    assert verdicts == ["go", None, None]
+
+
+async def test_a_ticket_whose_run_ended_before_its_batch_came_back_is_asked_its_verdict(
+    pools: Pools,
+) -> None:
+    # c0 and c1 register in one batch; c0's call is cancelled while the batch is on its way,
+    # so c1 follows no one: its verdict, not asked in that batch, is asked next, and it runs.
+    queue = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
+    notes = TurnNotes()
+    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
+    new_verdicts = desk.sql.new_verdicts
+    calls: list[asyncio.Task[None]] = []
+
+    def cancelling(count: int, asked: list[int]) -> str:
+        if count == 2:
+            calls[0].cancel()  # delivered while the batch is on its way
+        return new_verdicts(count, asked)
+
+    desk.sql.new_verdicts = cancelling  # type: ignore[method-assign]
+    holder = asyncio.create_task(queue.run("k", notes.hold))
+    await notes.until_holding()
+    calls += [asyncio.create_task(queue.run("k", notes.note, f"c{n}")) for n in range(2)]
+    await until(lambda: calls[0].done(), "c0 is cancelled")
+    notes.release.set()
+    done = await asyncio.wait_for(asyncio.gather(holder, *calls, return_exceptions=True), 10)
+    assert isinstance(done[1], asyncio.CancelledError)
+    assert notes.order == ["hold", "c1"]
+    await queue.aclose()

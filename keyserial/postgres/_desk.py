@@ -392,7 +392,9 @@ class TicketDesk:
                 again = self._sent()
                 for early, (ticket, verdict) in zip(registering, rows, strict=True):
                     early.ticket = int(ticket)
-                    verdicts[early.ticket] = str(verdict)
+                    # None: not asked, as it follows the one ahead; if it no longer does
+                    # (that one ended meanwhile), it is asked shortly.
+                    verdicts[early.ticket] = "soon" if verdict is None else str(verdict)
                     if early.order not in self.live:  # its call ended meanwhile
                         self.to_give_back[early.ticket] = tuple(early.keys)
                     elif early.order in again:  # an earlier turn took a ticket meanwhile
@@ -505,7 +507,14 @@ def _batch(
         statements.append("COMMIT")
         kinds.append("committed")
     if registering:
-        statements.append(tickets.new_verdicts(len(registering)))
+        # A ticket registered right behind its own on one key follows it (`_chain`): no
+        # verdict is asked for it.
+        heads = [
+            place
+            for place, early in enumerate(registering, 1)
+            if place == 1 or not _one_same_key(registering[place - 2], early)
+        ]
+        statements.append(tickets.new_verdicts(len(registering), heads))
         kinds.append("new verdicts")
     if asking:
         statements.append(tickets.verdicts([early.ticket or 0 for early in asking]))
@@ -524,10 +533,16 @@ def _chain(registered: list[EarlyTurn], live: Mapping[int, EarlyTurn]) -> None:
         if early.ticket is None or early.order not in live:  # again, or it ended
             ahead = None
             continue
-        if ahead is not None and len(early.keys) == 1 and early.keys.keys() == ahead.keys.keys():
+        if ahead is not None and _one_same_key(ahead, early):
             early.behind = ahead
             ahead.followed_by = early
         ahead = early
+
+
+def _one_same_key(ahead: EarlyTurn, early: EarlyTurn) -> bool:
+    """Whether ``early``, registered right after ``ahead`` in one batch, follows it on its
+    line: both have one key, the same."""
+    return len(early.keys) == 1 and early.keys.keys() == ahead.keys.keys()
 
 
 async def all_rows(cursor: psycopg.AsyncCursor[Any]) -> list[list[Any]]:

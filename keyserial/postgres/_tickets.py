@@ -162,14 +162,18 @@ class TicketSql:
             "SET plan_cache_mode = force_generic_plan; "
             "PREPARE keyserial_verdicts(bigint[]) AS "
             "SELECT t, {verdict} FROM unnest($1::bigint[]) t; "
-            "PREPARE keyserial_new_verdicts(int) AS "
-            "SELECT t, {verdict} FROM (SELECT DISTINCT ticket AS t FROM {table} "
-            "WHERE owner = {owner} ORDER BY ticket DESC LIMIT $1) n ORDER BY t"
+            "PREPARE keyserial_new_verdicts(int, int[]) AS "
+            "SELECT t, CASE WHEN i = ANY($2) THEN {verdict} END "
+            "FROM (SELECT t, row_number() OVER (ORDER BY t) AS i FROM (SELECT DISTINCT "
+            "ticket AS t FROM {table} WHERE owner = {owner} ORDER BY ticket DESC LIMIT $1) d) x "
+            "ORDER BY t"
         ).format(verdict=self.verdict(sql.SQL("t")), table=self.table, owner=self.owner)
 
-    def new_verdicts(self, count: int) -> str:
-        """The ``count`` tickets this process drew last, in order, and their verdicts."""
-        return f"EXECUTE keyserial_new_verdicts({int(count)})"
+    def new_verdicts(self, count: int, asked: list[int]) -> str:
+        """The ``count`` tickets this process drew last, in order, and the verdicts of those
+        at the positions ``asked`` (from 1); the others' verdicts are NULL."""
+        positions = ", ".join(map(str, asked))
+        return f"EXECUTE keyserial_new_verdicts({int(count)}, ARRAY[{positions}]::int[])"
 
     def verdicts(self, tickets: list[int]) -> str:
         """``tickets`` and their verdicts."""
