@@ -256,8 +256,8 @@ class EarlyTurns:
         statements += [sql.delete(tickets), "COMMIT"]
         follower = self.hand_over(early, turn.keys)
         if follower is not None:
-            statements += self.turn_sql.first(
-                sorted(follower.keys), "0", server_version, True, follower.ticket, None, True
+            statements += self.turn_sql.tried(
+                sorted(follower.keys), server_version, follower.ticket or 0
             )
         return statements, follower
 
@@ -278,8 +278,8 @@ class EarlyTurns:
         if follower is None:
             return None
         handed = None
-        if last is not None and last[1] == "false":  # the follower holds its locks
-            handed = PgTurn(turn.connection, int(last[0]), set(follower.keys), follower.ticket)
+        if last is not None and last[-1] is not None:  # the follower holds its locks
+            handed = PgTurn(turn.connection, int(last[-1]), set(follower.keys), follower.ticket)
         return handed if self.handed(follower, handed) else None
 
     def quiet(self, early: EarlyTurn | None, keys: set[int]) -> bool:

@@ -17,10 +17,10 @@ def milliseconds(seconds: float) -> str:
     return f"{max(1, int(seconds * 1000))}ms"
 
 
-def _setting(name: str, value: str) -> str:
-    """``SELECT set_config(name, value, true)``: a setting of the turn's transaction only
-    (``name`` and ``value`` are this package's own: no quotes in them)."""
-    return f"SELECT set_config('{name}', '{value}', true)"
+def _set(name: str, value: str) -> str:
+    """``set_config(name, value, true)``: a setting of the turn's transaction only (``name``
+    and ``value`` are this package's own: no quotes in them)."""
+    return f"set_config('{name}', '{value}', true)"
 
 
 class TurnSql:
@@ -30,13 +30,12 @@ class TurnSql:
         self.lease = lease
         #: How often a statement running in a turn checks that its client is still there.
         self.check_interval = min(1.0, lease / 3)
-        self.next_fence = f"SELECT nextval({rendered(sql.Literal(sequence.as_string(None)))})"
-        self.begin = ["BEGIN", _setting("idle_in_transaction_session_timeout", milliseconds(lease))]
+        self.fence = f"nextval({rendered(sql.Literal(sequence.as_string(None)))})"
+        self.next_fence = f"SELECT {self.fence}"
+        self.idle = _set("idle_in_transaction_session_timeout", milliseconds(lease))
         # A holder killed inside a long statement closes its socket; the server notices
         # within this interval and ends the turn, instead of when the statement ends.
-        self.checks = _setting(
-            "client_connection_check_interval", milliseconds(self.check_interval)
-        )
+        self.checks = _set("client_connection_check_interval", milliseconds(self.check_interval))
 
     def first(
         self,
@@ -46,7 +45,6 @@ class TurnSql:
         begin: bool,
         ticket: int | None,
         others_waiting: str | None,
-        try_only: bool = False,
     ) -> list[str]:
         """The statements of BEGIN (if ``begin``), the turn's settings, the locks of
         ``locks`` (ascending), the fence: the last statement's row holds the fence.
@@ -54,21 +52,17 @@ class TurnSql:
         A fair-mode ``ticket``'s try-lock comes before the keys' locks (see _early). With
         ``others_waiting`` (a direct turn), that statement runs first, the locks are taken
         only if it found no other process's call waiting with a ticket, and the fence's row
-        also holds its answer, ``'false'`` if the locks were taken. With ``try_only`` (a
-        turn begun by the commit of the turn ahead: see ``EarlyTurns.hand_over``), the locks
-        are tried, not waited for, and the fence's row says ``'false'`` if they were taken.
+        also holds its answer, ``'false'`` if the locks were taken.
 
         Sent as one simple query of several statements, not in pipeline mode: the server
         arms its idle-in-transaction timer after a simple query, but not after the Sync
         that ends a pipeline, and without that timer a holder stopped before its first
         statement would keep the key for as long as it stays stopped.
         """
-        statements: list[str] = []
-        if begin:
-            statements += self.begin
-            if server_version >= _CHECKS_CLIENT:
-                statements.append(self.checks)
-        statements.append(_setting("lock_timeout", lock_timeout))
+        settings = [*self._settings(server_version), _set("lock_timeout", lock_timeout)]
+        statements = (
+            ["BEGIN", f"SELECT {', '.join(settings)}"] if begin else [f"SELECT {settings[-1]}"]
+        )
         if ticket is not None:
             statements.append(
                 "SELECT pg_try_advisory_xact_lock({}, {})".format(*ticket_lock(ticket))
@@ -81,12 +75,25 @@ class TurnSql:
                 for lock in locks
             ]
             fence = f"{fence}, current_setting({_OTHERS})"
-        elif try_only:
-            tries = " AND ".join(f"pg_try_advisory_xact_lock({lock})" for lock in locks)
-            statements.append(f"SELECT set_config({_OTHERS}, (NOT ({tries}))::text, true)")
-            fence = f"{fence}, current_setting({_OTHERS})"
         else:
             statements += [f"SELECT pg_advisory_xact_lock({lock})" for lock in locks]
         statements.append("SET LOCAL lock_timeout TO DEFAULT")
         statements.append(fence)  # after the locks: ordered
         return statements
+
+    def tried(self, locks: list[int], server_version: int, ticket: int) -> list[str]:
+        """The statements of a ticket's turn that the commit of the turn ahead begins (see
+        ``EarlyTurns.hand_over``): BEGIN, then one statement that makes the turn's settings,
+        tries (does not wait for) the ticket's lock and those of ``locks`` and, only if it
+        took them all, draws the fence. Its row's last column holds the fence, or NULL."""
+        high, low = ticket_lock(ticket)
+        tries = " AND ".join(
+            [f"pg_try_advisory_xact_lock({high}, {low})"]
+            + [f"pg_try_advisory_xact_lock({lock})" for lock in locks]
+        )
+        settings = ", ".join(self._settings(server_version))
+        return ["BEGIN", f"SELECT {settings}, CASE WHEN {tries} THEN {self.fence} END"]
+
+    def _settings(self, server_version: int) -> list[str]:
+        """The settings of a turn's transaction."""
+        return [self.idle, self.checks] if server_version >= _CHECKS_CLIENT else [self.idle]
