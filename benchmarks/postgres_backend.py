@@ -181,8 +181,9 @@ def _hand_off_worker(
     queued: int = 1,
 ) -> None:
     async def main() -> None:
-        # A process holds a connection for its turn, and in fair mode one for the next
-        # call when it is its own: a pool of three has one to spare.
+        # A process holds a connection for its turn, and in fair mode one for its next call
+        # when that waits in the server behind another process's turn: a pool of three has
+        # one to spare.
         async with AsyncConnectionPool(dsn, min_size=1, max_size=3, open=False) as pool:
             queue = Queues(pool, redis_port)
             await _one(library, pool, queue, "warm-up")

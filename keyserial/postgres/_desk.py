@@ -37,11 +37,11 @@ LAST_RETRY = 0.05
 class EarlyTurn:
     """One call's turn in fair mode, from its registration until the call takes it up.
 
-    The desk alone writes ``ticket``, ``retry``, ``behind`` and ``verdict`` (the latest
-    answer, which replaces one not read yet: it is the newer word) and sets and clears
-    ``answered``; the begin task alone reads the verdict and writes ``begun`` and ``since``;
-    the call's side (``EarlyTurns``) alone writes ``direct``, ``after``, ``taken`` and
-    ``withdrawn``, and sets ``placed``.
+    The desk alone writes ``ticket``, ``retry``, ``behind``, ``followed_by`` and ``verdict``
+    (the latest answer, which replaces one not read yet: it is the newer word) and sets and
+    clears ``answered``; the call's side (``EarlyTurns``, its begin task among it) alone reads
+    the verdict, writes ``begun``, ``since``, ``handed``, ``direct``, ``after``, ``taken`` and
+    ``withdrawn``, and sets ``placed`` and ``ended``.
     """
 
     __slots__ = (

@@ -25,15 +25,25 @@ hold the keys while its call waits in this process for theirs):
   server's lock queue for the key (holding it or waiting for it). The turn begins and waits
   in the server right behind it, so the hand-off itself is the server's grant, as in the
   default mode;
-* ``wait``: two or more live tickets are ahead. A notification (a call gave its ticket
-  back, in its commit or later: ``pg_notify`` on the queue's channel, with the key's lock id
-  and the ticket that may now go as payload) or the next heartbeat asks again;
+* ``wait``: two or more live tickets are ahead. A word that the line moved (a call gave
+  its ticket back, in its commit or later: ``pg_notify`` on the channel of each process
+  concerned, with the key's lock id and the ticket that may now go as payload; the giving
+  process's own share comes back as rows instead) or the next heartbeat asks again;
 * ``soon``: one ticket is ahead, and its transaction is not in the server's lock queue yet
   (it is on its way): asked again shortly, then less and less often;
 * ``lost``: the row is gone (its process was stopped for so long that another process
   cleared it): it registers again, with its process's later waiting tickets, in call order.
   A direct turn that takes a ticket after all does the same: its process's later tickets
   register again after it.
+
+Tickets of one process registered together on one key, one right after another, are next
+to each other on the line, and each *follows* the one ahead: it is never asked a verdict
+(``behind``). Its turn is begun by the commit of the turn ahead, on that turn's connection,
+right after the ``COMMIT`` in the same round trip (`EarlyTurns.hand_over`): its locks are
+tried, not waited for, so a transaction of another process that was already waiting in the
+server for the key, and that the commit let through, keeps its place; the follower then
+begins its turn on its own. No one needs telling about such a commit while the next two
+tickets of the line both follow their own: it only deletes its ticket (`EarlyTurns.quiet`).
 
 A ticket is live while its process's desk (below) holds its session's advisory lock, the
 *owner lock*, and its heartbeat refreshes ``seen`` every third of the lease: the tickets of
