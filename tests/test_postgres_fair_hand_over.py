@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 from typing import Any
 
 import psycopg
@@ -269,3 +270,44 @@ async def test_a_ticket_whose_run_ended_before_its_batch_came_back_is_asked_its_
     assert isinstance(done[1], asyncio.CancelledError)
     assert notes.order == ["hold", "c1"]
     await queue.aclose()
+
+
+async def test_fair_turns_work_with_names_that_need_quoting(pools: Pools) -> None:
+    # The statements a turn sends each time are put together as text: a table and a schema
+    # whose names hold quotes, spaces and non-ASCII letters are quoted there too.
+    pool = await pools()
+    async with pool.connection() as conn:
+        await conn.execute('CREATE SCHEMA IF NOT EXISTS "odd ""s"" ü"')
+    queue = PostgresKeyedQueue(
+        pool, namespace="t", table='it\'s "fé"', schema='odd "s" ü', fair=True
+    )
+    notes = TurnNotes()
+    holder = asyncio.create_task(queue.run("k", notes.hold))
+    await notes.until_holding()
+    calls = [asyncio.create_task(queue.run("k", notes.note, f"c{n}")) for n in range(3)]
+    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
+    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
+    notes.release.set()
+    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    assert notes.order == ["hold", "c0", "c1", "c2"]
+    await queue.aclose()
+
+
+async def test_turns_that_followed_each_other_leave_nothing_behind(pools: Pools) -> None:
+    # Each turn of a run notes the one behind it and the one ahead: once the calls ended,
+    # nothing of them is left, without waiting for the garbage collector's cycle search.
+    queue = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
+
+    async def work() -> None:
+        pass
+
+    gc.collect()  # what earlier tests left
+    gc.disable()
+    try:
+        for _ in range(3):
+            await asyncio.wait_for(asyncio.gather(*(queue.run("k", work) for _ in range(8))), 10)
+        await queue.aclose()
+        left = [o for o in gc.get_objects() if isinstance(o, EarlyTurn)]
+    finally:
+        gc.enable()
+    assert left == []

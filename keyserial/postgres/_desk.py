@@ -216,6 +216,7 @@ class TicketDesk:
 
     def give_back(self, early: EarlyTurn) -> None:
         """Forget ``early``: its call ended; delete its rows unless its commit did."""
+        early.followed_by = None  # the turn behind keeps its ``behind``: no cycle is left
         self.live.pop(early.order, None)
         self.parked.pop(early.order, None)
         self.to_ask.pop(early.order, None)
