@@ -365,7 +365,7 @@ class TicketDesk:
             return
         try:
             cursor = await connection.execute(query(statements))
-            results = await all_rows(cursor)
+            results = await _results(cursor)
         except (psycopg.OperationalError, psycopg.InterfaceError):
             self._sent()
             self.unregistered[:0] = registering  # asked again on the next connection
@@ -445,7 +445,7 @@ class TicketDesk:
     async def _heartbeat(self, connection: AsyncConnection[Any]) -> None:
         mine = [e.ticket for e in self.live.values() if e.ticket is not None]
         cursor = await connection.execute(self.sql.heartbeat(mine))
-        kept = {int(row[0]) for row in (await all_rows(cursor))[-1]}
+        kept = {int(row[0]) for row in (await _results(cursor))[-1]}
         for early in list(self.live.values()):
             if early.ticket is not None and not early.begun and early.ticket not in kept:
                 self.register_again(early)
@@ -546,7 +546,7 @@ def _one_same_key(ahead: EarlyTurn, early: EarlyTurn) -> bool:
     return len(early.keys) == 1 and early.keys.keys() == ahead.keys.keys()
 
 
-async def all_rows(cursor: psycopg.AsyncCursor[Any]) -> list[list[Any]]:
+async def _results(cursor: psycopg.AsyncCursor[Any]) -> list[list[Any]]:
     """The rows of every statement of a multi-statement query, in order (none for those
     without rows)."""
     results: list[list[Any]] = []

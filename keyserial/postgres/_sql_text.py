@@ -1,8 +1,8 @@
 """SQL put together as text, for the statements a turn sends each time.
 
-Composing them with ``psycopg.sql`` on every call costs more than the hand-off itself does
-in the database; they are put together from integers and from names and literals that
-psycopg rendered once (`rendered`).
+They are sent on every turn, so they are put together as plain text, from integers and from
+names and literals that psycopg rendered once (`rendered`), rather than composed with
+``psycopg.sql`` each time.
 """
 
 from __future__ import annotations

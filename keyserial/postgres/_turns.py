@@ -311,12 +311,17 @@ class PostgresTurns:
         """End the turn: commit its transaction (the locks go with it), give the connection back.
 
         ``stalled``: the process stopped running for longer than the lease during the turn.
+        ``early``: the call's fair-mode turn; if the next ticket of its line follows it, the
+        same round trip begins that ticket's turn on this connection, which then stays with
+        it (see ``EarlyTurns.hand_over``).
 
         Raises:
             TurnRolledBack: the transaction had failed already; it was rolled back.
             LeaseExpired: the server had ended the session (idle past the lease).
             PostgresUnavailable: the session was gone before the commit: nothing was kept.
-            CommitInDoubt: the connection broke while the commit was on its way.
+            CommitInDoubt: the connection broke while the commit was on its way, or the
+                server ended the session while the round trip that began the next turn
+                was on its way.
         """
         connection = turn.connection
         if connection.pgconn.transaction_status == TransactionStatus.INERROR:
