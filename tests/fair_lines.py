@@ -4,10 +4,18 @@ the transactions waiting in the server's queue."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import psycopg
+from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
+
+from keyserial.postgres import lock_id
+from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
+from keyserial.postgres._sql_text import query
+from keyserial.postgres._tickets import TicketSql, new_owner
 
 
 async def ticket_count(pool: AsyncConnectionPool[Any]) -> int:
@@ -54,3 +62,40 @@ async def until_tickets(pool: AsyncConnectionPool[Any], count: int) -> None:
 async def until_waiting_in_server(pool: AsyncConnectionPool[Any], count: int) -> None:
     """Wait until ``count`` transactions wait in the server's queue; fail after ten seconds."""
     await _until(pool, waiting_in_server, count, "transactions waiting in the server's queue")
+
+
+async def words_of_a_give_back(
+    postgres_dsn: str, line: str
+) -> tuple[dict[str, list[str]], list[tuple[Any, ...]]]:
+    """Tickets 100, 101, ... of the processes named by ``line``'s letters (``"aab"``: two of
+    ``a``, then one of ``b``) wait on one key; the first one's process gives ticket 100 back
+    in a transaction, as its commit does. What each process's channel heard, and the rows of
+    the tell (its own share)."""
+    owners = {name: new_owner() for name in sorted(set(line))}
+    key = lock_id("t", "k")
+    tickets = {name: TicketSql("fences", None, 10.0, owner) for name, owner in owners.items()}
+    connect = functools.partial(psycopg.AsyncConnection.connect, postgres_dsn, autocommit=True)
+    async with await connect() as giver:
+        await ensure_sequence(giver, "fences", None)
+        await ensure_ticket_table(giver, "fences", None)
+        await giver.execute(
+            "INSERT INTO fences_tq SELECT %s, 99 + n, owner, now() "
+            "FROM unnest(%s::bigint[]) WITH ORDINALITY AS o(owner, n)",
+            (key, [owners[name] for name in line]),
+        )
+        listeners = {name: await connect() for name in owners}  # each process's desk
+        try:
+            for name, listener in listeners.items():
+                channel = sql.Identifier(tickets[name].channel)
+                await listener.execute(sql.SQL("LISTEN {}").format(channel))
+            await giver.execute("BEGIN")
+            cursor = await giver.execute(query(tickets[line[0]].give_back([100], [key])))
+            rows = list(await cursor.fetchall())
+            await giver.execute("COMMIT")
+            heard: dict[str, list[str]] = {}
+            for name, listener in listeners.items():
+                heard[name] = [n.payload async for n in listener.notifies(timeout=0.5)]
+        finally:
+            for listener in listeners.values():
+                await listener.close()
+    return heard, rows

@@ -7,21 +7,21 @@ process registered together follow each other without asking the server again.""
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Hashable, Mapping
 
-import psycopg
 import pytest
-from psycopg import sql
 
 from keyserial.postgres import PostgresKeyedQueue, lock_id
-from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
-from keyserial.postgres._sql_text import query
-from keyserial.postgres._tickets import TicketSql, new_owner
 from keyserial.postgres._turn import PgTurn
 
 from .conftest import Pools
-from .fair_lines import ticket_count, until_tickets, until_waiting_in_server, waiting_in_server
+from .fair_lines import (
+    ticket_count,
+    until_tickets,
+    until_waiting_in_server,
+    waiting_in_server,
+    words_of_a_give_back,
+)
 from .redis_helpers import until
 from .turn_notes import TurnNotes
 
@@ -156,31 +156,9 @@ async def test_a_commit_notifies_only_the_processes_of_the_first_two_tickets(
 ) -> None:
     # Tickets 100 (a, giving it back), 101 (b), 102 (c) and 103 (d) wait on one key. Once
     # 100 is given back, 101 is next and 102 may follow it: only b and c are woken.
-    owners = {name: new_owner() for name in "abcd"}
+    heard, _ = await words_of_a_give_back(postgres_dsn, "abcd")
     key = lock_id("t", "k")
-    tickets = {name: TicketSql("fences", None, 10.0, owner) for name, owner in owners.items()}
-    connect = functools.partial(psycopg.AsyncConnection.connect, postgres_dsn, autocommit=True)
-    async with await connect() as a:
-        await ensure_sequence(a, "fences", None)
-        await ensure_ticket_table(a, "fences", None)
-        await a.execute(
-            "INSERT INTO fences_tq SELECT %s, 99 + n, owner, now() "
-            "FROM unnest(%s::bigint[]) WITH ORDINALITY AS o(owner, n)",
-            (key, [owners[name] for name in "abcd"]),
-        )
-        woken: dict[str, list[str]] = {}
-        listeners = {name: await connect() for name in "abcd"}  # each process's desk
-        try:
-            for name, listener in listeners.items():
-                channel = sql.Identifier(tickets[name].channel)
-                await listener.execute(sql.SQL("LISTEN {}").format(channel))
-            await a.execute(query(["BEGIN", *tickets["a"].give_back([100], [key]), "COMMIT"]))
-            for name, listener in listeners.items():
-                woken[name] = [n.payload async for n in listener.notifies(timeout=0.5)]
-        finally:
-            for listener in listeners.values():
-                await listener.close()
-    assert woken == {"a": [], "b": [f"{key}:102"], "c": [f"{key}:102"], "d": []}
+    assert heard == {"a": [], "b": [f"{key}:102"], "c": [f"{key}:102"], "d": []}
 
 
 async def test_tickets_registered_together_follow_each_other_without_asking_again(

@@ -4,13 +4,12 @@ tells its line only what another process needs to hear."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from keyserial.postgres import CommitInDoubt, PostgresKeyedQueue, connection, lock_id
 from keyserial.postgres._desk import EarlyTurn
@@ -21,7 +20,7 @@ from keyserial.postgres._turn import PgTurn
 from keyserial.postgres._turns import _commit_error  # pyright: ignore[reportPrivateUsage]
 
 from .conftest import Pools
-from .fair_lines import until_waiting_in_server
+from .fair_lines import until_waiting_in_server, words_of_a_give_back
 from .redis_helpers import until
 from .turn_notes import TurnNotes
 
@@ -51,6 +50,26 @@ async def _free(pools: Pools, key: str) -> bool:
     return row is not None and bool(row[0])
 
 
+async def _behind_a_holder(
+    queue: PostgresKeyedQueue,
+    notes: TurnNotes,
+    count: int,
+    note: Callable[[str], Awaitable[None]] | None = None,
+) -> list[BaseException | None]:
+    """Hold ``k`` with a call of ``queue``, make ``count`` calls on it, ``c0`` on (their
+    tickets are registered in one round trip), then let the holder go: the calls' outcomes
+    (None, or what they raised)."""
+    holder = asyncio.create_task(queue.run("k", notes.hold))
+    await notes.until_holding()
+    noting = notes.note if note is None else note
+    calls = [asyncio.create_task(queue.run("k", noting, f"c{n}")) for n in range(count)]
+    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
+    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
+    notes.release.set()
+    done = await asyncio.wait_for(asyncio.gather(holder, *calls, return_exceptions=True), 10)
+    return done[1:]
+
+
 async def test_the_next_ticket_of_the_process_begins_in_the_commit_of_the_one_ahead(
     pools: Pools,
 ) -> None:
@@ -68,13 +87,7 @@ async def test_the_next_ticket_of_the_process_begins_in_the_commit_of_the_one_ah
         assert row is not None
         backends[name] = int(row[0])
 
-    holder = asyncio.create_task(queue.run("k", notes.hold))
-    await notes.until_holding()
-    calls = [asyncio.create_task(queue.run("k", note, f"c{n}")) for n in range(4)]
-    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
-    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
-    notes.release.set()
-    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    assert await _behind_a_holder(queue, notes, 4, note) == [None] * 4
     assert notes.order == ["hold", "c0", "c1", "c2", "c3"]
     assert len(begun) == 1, "c1..c3 began their turns on their own"
     assert len(set(backends.values())) == 1
@@ -90,13 +103,7 @@ async def test_a_commit_tells_no_one_while_the_next_two_tickets_follow_their_own
     queue = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
     notes = TurnNotes()
     told = _counted(queue._turns.early.desk.sql, "tell")  # pyright: ignore[reportPrivateUsage]
-    holder = asyncio.create_task(queue.run("k", notes.hold))
-    await notes.until_holding()
-    calls = [asyncio.create_task(queue.run("k", notes.note, f"c{n}")) for n in range(4)]
-    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
-    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
-    notes.release.set()
-    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    assert await _behind_a_holder(queue, notes, 4) == [None] * 4
     assert notes.order == ["hold", "c0", "c1", "c2", "c3"]
     assert len(told) == 2
     await queue.aclose()
@@ -107,34 +114,9 @@ async def test_a_commit_tells_its_own_process_in_its_rows_not_by_notification(
 ) -> None:
     # Tickets 100 (a, given back), 101 (a) and 102 (b) wait on one key: b is notified, and
     # a's share, that 101 and 102 are next, comes back as the tell's rows.
-    owners = {name: new_owner() for name in "ab"}
+    heard, rows = await words_of_a_give_back(postgres_dsn, "aab")
     key = lock_id("t", "k")
-    tickets = {name: TicketSql("fences", None, 10.0, owner) for name, owner in owners.items()}
-    connect = functools.partial(psycopg.AsyncConnection.connect, postgres_dsn, autocommit=True)
-    async with await connect() as a:
-        await ensure_sequence(a, "fences", None)
-        await ensure_ticket_table(a, "fences", None)
-        await a.execute(
-            "INSERT INTO fences_tq VALUES (%s, 100, %s, now()), (%s, 101, %s, now()), "
-            "(%s, 102, %s, now())",
-            (key, owners["a"], key, owners["a"], key, owners["b"]),
-        )
-        listeners = {name: await connect() for name in "ab"}
-        try:
-            for name, listener in listeners.items():
-                channel = sql.Identifier(tickets[name].channel)
-                await listener.execute(sql.SQL("LISTEN {}").format(channel))
-            await a.execute("BEGIN")
-            cursor = await a.execute(query(tickets["a"].give_back([100], [key])))
-            rows = await cursor.fetchall()
-            await a.execute("COMMIT")
-            woken: dict[str, list[str]] = {}
-            for name, listener in listeners.items():
-                woken[name] = [n.payload async for n in listener.notifies(timeout=0.5)]
-        finally:
-            for listener in listeners.values():
-                await listener.close()
-    assert woken == {"a": [], "b": [f"{key}:102"]}
+    assert heard == {"a": [], "b": [f"{key}:102"]}
     assert [(row[0], row[1], row[3]) for row in rows] == [(key, 102, True), (key, 102, False)]
 
 
@@ -161,13 +143,8 @@ async def test_a_turn_handed_over_but_never_taken_up_is_rolled_back(pools: Pools
         return handed
 
     early.closed = closed_then_cancel  # type: ignore[method-assign]
-    holder = asyncio.create_task(queue.run("k", notes.hold))
-    await notes.until_holding()
-    calls = [asyncio.create_task(queue.run("k", notes.note, f"c{n}")) for n in range(3)]
-    await until(lambda: early.desk.connection is not None and not early.desk.unregistered, "")
-    notes.release.set()
-    done = await asyncio.wait_for(asyncio.gather(holder, *calls, return_exceptions=True), 10)
-    assert isinstance(done[2], asyncio.CancelledError)
+    done = await _behind_a_holder(queue, notes, 3)
+    assert isinstance(done[1], asyncio.CancelledError)
     assert notes.order == ["hold", "c0", "c2"]
     await queue.aclose()
     assert await _free(pools, "k")
@@ -282,13 +259,7 @@ async def test_fair_turns_work_with_names_that_need_quoting(pools: Pools) -> Non
         pool, namespace="t", table='it\'s "fé"', schema='odd "s" ü', fair=True
     )
     notes = TurnNotes()
-    holder = asyncio.create_task(queue.run("k", notes.hold))
-    await notes.until_holding()
-    calls = [asyncio.create_task(queue.run("k", notes.note, f"c{n}")) for n in range(3)]
-    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
-    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
-    notes.release.set()
-    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    assert await _behind_a_holder(queue, notes, 3) == [None] * 3
     assert notes.order == ["hold", "c0", "c1", "c2"]
     await queue.aclose()
 
