@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
 import pytest
 
+from keyserial import current_fence
 from keyserial.postgres import CommitInDoubt, PostgresKeyedQueue, connection, lock_id
 from keyserial.postgres._desk import EarlyTurn
 from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
@@ -282,3 +284,44 @@ async def test_turns_that_followed_each_other_leave_nothing_behind(pools: Pools)
     finally:
         gc.enable()
     assert left == []
+
+
+async def test_a_turn_handed_over_in_a_process_that_then_stops_past_the_lease_begins_again(
+    pools: Pools,
+) -> None:
+    # The process stops right after c0's commit began c1's turn, for longer than the lease:
+    # the server ends c1's idle session. c1's function does not start on it; c1 begins its
+    # turn again, with no error, and writes with a later fence.
+    lease = 0.3
+    pool = await pools()
+    queue = PostgresKeyedQueue(pool, namespace="t", lease=lease, fair=True)
+    notes = TurnNotes()
+    fences: list[int | None] = []
+    early = queue._turns.early  # pyright: ignore[reportPrivateUsage]
+    closed = early.closed
+
+    def closed_then_stop(
+        turn: PgTurn,
+        follower: EarlyTurn | None,
+        told: list[Any],
+        last: tuple[Any, ...] | None,
+    ) -> PgTurn | None:
+        handed = closed(turn, follower, told, last)
+        if handed is not None:
+            early.closed = closed  # type: ignore[method-assign]
+            time.sleep(3 * lease)  # the process stops: its loop with it
+        return handed
+
+    async def note(name: str) -> None:
+        notes.order.append(name)
+        fences.append(current_fence())
+        await connection().execute("SELECT 1")  # a statement on the turn's session
+
+    early.closed = closed_then_stop  # type: ignore[method-assign]
+    assert await _behind_a_holder(queue, notes, 3, note) == [None] * 3
+    assert notes.order == ["hold", "c0", "c1", "c2"]
+    drawn = [fence for fence in fences if fence is not None]
+    assert len(drawn) == 3 and drawn == sorted(set(drawn))  # each later than the one before
+    await queue.aclose()
+    stats = pool.get_stats()
+    assert stats["pool_available"] == stats["pool_size"], stats
