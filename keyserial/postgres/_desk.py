@@ -92,12 +92,20 @@ class EarlyTurn:
         #: Set once a direct turn holds its locks, took a ticket, or ended.
         self.placed = asyncio.Event()
         #: The turn whose ticket is right ahead of this one's on its one key, this process's,
-        #: registered with it (see `TicketDesk._chain`): this one begins once that one holds
-        #: its locks, with no verdict asked ("behind").
+        #: registered with it (see `_chain`): this one's turn is begun by that one's commit,
+        #: or once that one ended, with no verdict asked ("behind").
         self.behind: EarlyTurn | None = None
         #: This process's direct turns on the same keys, made earlier and not placed yet
         #: when this ticket was taken: its transaction begins only once they are placed.
         self.after: list[EarlyTurn] = []
+
+    def follower(self) -> EarlyTurn | None:
+        """The turn registered right behind this one that still follows it and whose call
+        has not ended, if any."""
+        follower = self.followed_by
+        if follower is None or follower.behind is not self or follower.withdrawn:
+            return None
+        return follower
 
     def forget_ticket(self) -> None:
         """The desk takes a new ticket for it: an answer not read yet was the old one's, and

@@ -230,11 +230,13 @@ class EarlyTurns:
             # soon: the desk asks again shortly
 
     async def _follows(self, early: EarlyTurn) -> bool:
-        """Wait until the turn right ahead of ``early`` on its key's line holds its locks (or
-        its turn ended); whether ``early`` may begin now, as a ``go`` verdict would say.
+        """Wait until the turn right ahead of ``early`` on its key's line held its locks and
+        ended (its commit may have begun ``early``'s turn: `hand_over`); whether ``early``
+        may begin now, as a ``go`` verdict would say.
 
-        That turn is this process's, so no verdict needs to be asked: once it holds its
-        locks, no live ticket is ahead of ``early`` but its own, in the server's queue.
+        That turn is this process's, so no verdict needs to be asked: once it held its
+        locks, no live ticket was ahead of ``early`` but its own. If it never held them,
+        ``early`` is asked its verdict as any ticket is.
         """
         ahead = early.behind
         ticket = early.ticket
@@ -262,9 +264,11 @@ class EarlyTurns:
             return ["COMMIT"], None
         tickets, locks = [turn.ticket], sorted(turn.keys)
         sql = self.desk.sql
-        statements = [] if self.quiet(early, turn.keys) else [sql.tell(tickets, locks)]
+        # A turn whose task locked more keys in it (a nested call) holds more than its line.
+        alone = early if early is not None and turn.keys == set(early.keys) else None
+        statements = [] if self.quiet(alone) else [sql.tell(tickets, locks)]
         statements += [sql.delete(tickets), "COMMIT"]
-        follower = self.hand_over(early, turn.keys)
+        follower = self.hand_over(alone)
         if follower is not None:
             statements += self.turn_sql.tried(
                 sorted(follower.keys), server_version, follower.ticket or 0
@@ -292,29 +296,21 @@ class EarlyTurns:
             handed = PgTurn(turn.connection, int(last[-1]), set(follower.keys), follower.ticket)
         return handed if self.handed(follower, handed) else None
 
-    def quiet(self, early: EarlyTurn | None, keys: set[int]) -> bool:
-        """Whether the commit of ``early``'s turn (holding ``keys``) may give its ticket back
-        without telling anyone: the next two tickets of its line are this process's, each
-        following the one ahead (they never wait for a word)."""
-        if early is None or keys != set(early.keys):
-            return False
-        follower = early.followed_by
-        if follower is None or follower.behind is not early or follower.withdrawn:
-            return False  # a withdrawn one's row may be gone already: the next is told
-        second = follower.followed_by
-        return second is not None and second.behind is follower and not second.withdrawn
+    def quiet(self, early: EarlyTurn | None) -> bool:
+        """Whether the commit of ``early``'s turn may give its ticket back without telling
+        anyone: the next two tickets of its line are this process's, each following the one
+        ahead (they never wait for a word). A withdrawn one's row may be gone already: the
+        ticket after it is then told."""
+        follower = None if early is None else early.follower()
+        return follower is not None and follower.follower() is not None
 
-    def hand_over(self, early: EarlyTurn | None, keys: set[int]) -> EarlyTurn | None:
-        """The turn whose transaction the commit of ``early``'s turn (holding ``keys``) begins,
-        right after its COMMIT, in the same round trip: the next ticket of its line, if it is
-        this process's, follows it, and waits for nothing else. Marked begun."""
-        if early is None or keys != set(early.keys):
-            return None
-        follower = early.followed_by
+    def hand_over(self, early: EarlyTurn | None) -> EarlyTurn | None:
+        """The turn whose transaction the commit of ``early``'s turn begins, right after its
+        COMMIT, in the same round trip: the next ticket of its line, if it is this process's,
+        follows it, and waits for nothing else. Marked begun."""
+        follower = None if early is None else early.follower()
         if (
             follower is None
-            or follower.behind is not early
-            or follower.withdrawn
             or follower.begun
             or follower.ticket is None
             or not all(direct.placed.is_set() for direct in follower.after)
