@@ -1,5 +1,6 @@
-"""What a test of PostgreSQL fair mode reads of a key's line: the calls holding tickets, and
-the transactions waiting in the server's queue."""
+"""What a test of PostgreSQL fair mode reads of a key's line (the calls holding tickets, the
+transactions waiting in the server's queue, what a give-back tells), and how it lines calls
+up behind a holder."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
-from keyserial.postgres import lock_id
+from keyserial.postgres import PostgresKeyedQueue, lock_id
 from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
 from keyserial.postgres._sql_text import query
 from keyserial.postgres._tickets import TicketSql, new_owner
+
+from .redis_helpers import until
+from .turn_notes import TurnNotes
 
 
 async def ticket_count(pool: AsyncConnectionPool[Any]) -> int:
@@ -99,3 +103,36 @@ async def words_of_a_give_back(
             for listener in listeners.values():
                 await listener.close()
     return heard, rows
+
+
+def counted(target: object, name: str) -> list[int]:
+    """Count the calls of ``target``'s method ``name`` (one entry per call)."""
+    original = getattr(target, name)
+    calls: list[int] = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(target, name, counting)
+    return calls
+
+
+async def behind_a_holder(
+    queue: PostgresKeyedQueue,
+    notes: TurnNotes,
+    count: int,
+    note: Callable[[str], Awaitable[None]] | None = None,
+) -> list[BaseException | None]:
+    """Hold ``k`` with a call of ``queue``, make ``count`` calls on it, ``c0`` on (their
+    tickets are registered in one round trip), then let the holder go: the calls' outcomes
+    (None, or what they raised)."""
+    holder = asyncio.create_task(queue.run("k", notes.hold))
+    await notes.until_holding()
+    noting = notes.note if note is None else note
+    calls = [asyncio.create_task(queue.run("k", noting, f"c{n}")) for n in range(count)]
+    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
+    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
+    notes.release.set()
+    done = await asyncio.wait_for(asyncio.gather(holder, *calls, return_exceptions=True), 10)
+    return done[1:]

@@ -16,6 +16,8 @@ from keyserial.postgres._turn import PgTurn
 
 from .conftest import Pools
 from .fair_lines import (
+    behind_a_holder,
+    counted,
     ticket_count,
     until_tickets,
     until_waiting_in_server,
@@ -165,25 +167,12 @@ async def test_tickets_registered_together_follow_each_other_without_asking_agai
     pools: Pools,
 ) -> None:
     # Four calls of one process made at once behind its holder take their tickets in one
-    # round trip: the first may go at once, and each of the others begins as soon as the
-    # one ahead of it holds the key, without its verdict being asked again.
+    # round trip: the first may go at once, and each of the others begins once the one ahead
+    # of it held the key, without its verdict being asked again.
     queue = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
     notes = TurnNotes()
-    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
-    asked: list[list[int]] = []
-    verdicts = desk.sql.verdicts
-
-    def counted(tickets: list[int]) -> str:
-        asked.append(tickets)
-        return verdicts(tickets)
-
-    desk.sql.verdicts = counted  # type: ignore[method-assign]
-    holder = asyncio.create_task(queue.run("k", notes.hold))
-    await notes.until_holding()
-    calls = [asyncio.create_task(queue.run("k", notes.note, f"c{n}")) for n in range(4)]
-    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
-    notes.release.set()
-    await asyncio.wait_for(asyncio.gather(holder, *calls), 10)
+    asked = counted(queue._turns.early.desk.sql, "verdicts")  # pyright: ignore[reportPrivateUsage]
+    assert await behind_a_holder(queue, notes, 4) == [None] * 4
     assert notes.order == ["hold", "c0", "c1", "c2", "c3"]
     assert asked == []
     await queue.aclose()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -22,24 +22,11 @@ from keyserial.postgres._turn import PgTurn
 from keyserial.postgres._turns import _commit_error  # pyright: ignore[reportPrivateUsage]
 
 from .conftest import Pools
-from .fair_lines import until_waiting_in_server, words_of_a_give_back
+from .fair_lines import behind_a_holder, counted, until_waiting_in_server, words_of_a_give_back
 from .redis_helpers import until
 from .turn_notes import TurnNotes
 
 pytestmark = pytest.mark.asyncio
-
-
-def _counted(target: object, name: str) -> list[int]:
-    """Count the calls of ``target``'s method ``name`` (one entry per call)."""
-    original = getattr(target, name)
-    calls: list[int] = []
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    setattr(target, name, counting)
-    return calls
 
 
 async def _free(pools: Pools, key: str) -> bool:
@@ -52,24 +39,25 @@ async def _free(pools: Pools, key: str) -> bool:
     return row is not None and bool(row[0])
 
 
-async def _behind_a_holder(
-    queue: PostgresKeyedQueue,
-    notes: TurnNotes,
-    count: int,
-    note: Callable[[str], Awaitable[None]] | None = None,
-) -> list[BaseException | None]:
-    """Hold ``k`` with a call of ``queue``, make ``count`` calls on it, ``c0`` on (their
-    tickets are registered in one round trip), then let the holder go: the calls' outcomes
-    (None, or what they raised)."""
-    holder = asyncio.create_task(queue.run("k", notes.hold))
-    await notes.until_holding()
-    noting = notes.note if note is None else note
-    calls = [asyncio.create_task(queue.run("k", noting, f"c{n}")) for n in range(count)]
-    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
-    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
-    notes.release.set()
-    done = await asyncio.wait_for(asyncio.gather(holder, *calls, return_exceptions=True), 10)
-    return done[1:]
+def _after_a_hand_over(queue: PostgresKeyedQueue, act: Callable[[EarlyTurn], None]) -> None:
+    """Run ``act`` on the follower right after the first commit of ``queue`` that begins a
+    follower's turn (``EarlyTurns.closed``), once."""
+    early = queue._turns.early  # pyright: ignore[reportPrivateUsage]
+    closed = early.closed
+
+    def closed_then_act(
+        turn: PgTurn,
+        follower: EarlyTurn | None,
+        told: list[Any],
+        last: tuple[Any, ...] | None,
+    ) -> PgTurn | None:
+        handed = closed(turn, follower, told, last)
+        if handed is not None and follower is not None:
+            early.closed = closed  # type: ignore[method-assign]
+            act(follower)
+        return handed
+
+    early.closed = closed_then_act  # type: ignore[method-assign]
 
 
 async def test_the_next_ticket_of_the_process_begins_in_the_commit_of_the_one_ahead(
@@ -79,7 +67,7 @@ async def test_the_next_ticket_of_the_process_begins_in_the_commit_of_the_one_ah
     # its own; each of c1..c3 begins in the commit of the one ahead, on its connection.
     queue = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
     notes = TurnNotes()
-    begun = _counted(queue._turns.early, "begin")  # pyright: ignore[reportPrivateUsage]
+    begun = counted(queue._turns.early, "begin")  # pyright: ignore[reportPrivateUsage]
     backends: dict[str, int] = {}
 
     async def note(name: str) -> None:
@@ -89,7 +77,7 @@ async def test_the_next_ticket_of_the_process_begins_in_the_commit_of_the_one_ah
         assert row is not None
         backends[name] = int(row[0])
 
-    assert await _behind_a_holder(queue, notes, 4, note) == [None] * 4
+    assert await behind_a_holder(queue, notes, 4, note) == [None] * 4
     assert notes.order == ["hold", "c0", "c1", "c2", "c3"]
     assert len(begun) == 1, "c1..c3 began their turns on their own"
     assert len(set(backends.values())) == 1
@@ -104,8 +92,8 @@ async def test_a_commit_tells_no_one_while_the_next_two_tickets_follow_their_own
     # the one ahead: no one waits for a word. c2's and c3's tell their line.
     queue = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
     notes = TurnNotes()
-    told = _counted(queue._turns.early.desk.sql, "tell")  # pyright: ignore[reportPrivateUsage]
-    assert await _behind_a_holder(queue, notes, 4) == [None] * 4
+    told = counted(queue._turns.early.desk.sql, "tell")  # pyright: ignore[reportPrivateUsage]
+    assert await behind_a_holder(queue, notes, 4) == [None] * 4
     assert notes.order == ["hold", "c0", "c1", "c2", "c3"]
     assert len(told) == 2
     await queue.aclose()
@@ -129,23 +117,13 @@ async def test_a_turn_handed_over_but_never_taken_up_is_rolled_back(pools: Pools
     pool = await pools()
     queue = PostgresKeyedQueue(pool, namespace="t", fair=True)
     notes = TurnNotes()
-    early = queue._turns.early  # pyright: ignore[reportPrivateUsage]
-    closed = early.closed
 
-    def closed_then_cancel(
-        turn: PgTurn,
-        follower: EarlyTurn | None,
-        told: list[Any],
-        last: tuple[Any, ...] | None,
-    ) -> PgTurn | None:
-        handed = closed(turn, follower, told, last)
-        if handed is not None and follower is not None and follower.begin is not None:
-            follower.begin.cancel()
-            early.closed = closed  # type: ignore[method-assign]
-        return handed
+    def cancel(follower: EarlyTurn) -> None:
+        assert follower.begin is not None
+        follower.begin.cancel()
 
-    early.closed = closed_then_cancel  # type: ignore[method-assign]
-    done = await _behind_a_holder(queue, notes, 3)
+    _after_a_hand_over(queue, cancel)
+    done = await behind_a_holder(queue, notes, 3)
     assert isinstance(done[1], asyncio.CancelledError)
     assert notes.order == ["hold", "c0", "c2"]
     await queue.aclose()
@@ -261,7 +239,7 @@ async def test_fair_turns_work_with_names_that_need_quoting(pools: Pools) -> Non
         pool, namespace="t", table='it\'s "fé"', schema='odd "s" ü', fair=True
     )
     notes = TurnNotes()
-    assert await _behind_a_holder(queue, notes, 3) == [None] * 3
+    assert await behind_a_holder(queue, notes, 3) == [None] * 3
     assert notes.order == ["hold", "c0", "c1", "c2"]
     await queue.aclose()
 
@@ -297,28 +275,15 @@ async def test_a_turn_handed_over_in_a_process_that_then_stops_past_the_lease_be
     queue = PostgresKeyedQueue(pool, namespace="t", lease=lease, fair=True)
     notes = TurnNotes()
     fences: list[int | None] = []
-    early = queue._turns.early  # pyright: ignore[reportPrivateUsage]
-    closed = early.closed
-
-    def closed_then_stop(
-        turn: PgTurn,
-        follower: EarlyTurn | None,
-        told: list[Any],
-        last: tuple[Any, ...] | None,
-    ) -> PgTurn | None:
-        handed = closed(turn, follower, told, last)
-        if handed is not None:
-            early.closed = closed  # type: ignore[method-assign]
-            time.sleep(3 * lease)  # the process stops: its loop with it
-        return handed
 
     async def note(name: str) -> None:
         notes.order.append(name)
         fences.append(current_fence())
         await connection().execute("SELECT 1")  # a statement on the turn's session
 
-    early.closed = closed_then_stop  # type: ignore[method-assign]
-    assert await _behind_a_holder(queue, notes, 3, note) == [None] * 3
+    # The process stops, its loop with it.
+    _after_a_hand_over(queue, lambda _: time.sleep(3 * lease))
+    assert await behind_a_holder(queue, notes, 3, note) == [None] * 3
     assert notes.order == ["hold", "c0", "c1", "c2"]
     drawn = [fence for fence in fences if fence is not None]
     assert len(drawn) == 3 and drawn == sorted(set(drawn))  # each later than the one before
