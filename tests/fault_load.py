@@ -2,10 +2,14 @@
 few keys on a fixed schedule while a fault hits, each logging what its calls did.
 
 Call ``i`` is made ``i * SPACING`` after a common start by process ``i % PROCESSES``, on key
-``k<i % KEYS>``; its turn lasts ``TURN``. A worker appends to the log, on the system-wide
-monotonic clock: ``S call key pid made started fence`` when a function starts, ``E call
-ended`` when it ends, and ``O call outcome`` when the call returns (``ok``, ``lease-lost``),
-retrying a call that failed with the backend's "unavailable" error (it did not run).
+``k<i % KEYS>``; its turn lasts ``TURN``. With bursts of ``n`` calls, the calls go in groups
+of ``n``: group ``g`` is made at once, ``g * n * SPACING`` after the start, by process
+``g % PROCESSES``, on key ``k<g % KEYS>`` (in PostgreSQL's fair mode, a process's calls
+registered together on one key follow each other: each commit begins the next one's turn). A
+worker appends to the log, on the system-wide monotonic clock: ``S call key pid made started
+fence`` when a function starts, ``E call ended`` when it ends, and ``O call outcome`` when the
+call returns (``ok``, ``lease-lost``), retrying a call that failed with the backend's
+"unavailable" error (it did not run).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from keyserial import LeaseLost, current_fence
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +41,14 @@ TURN = 0.03
 LEASE = 0.5
 #: Calls made this far apart in fair mode start in the order they were made.
 MARGIN_NS = 20_000_000
+#: The two schedules of the suites: calls one at a time, or in bursts of three (in fair mode,
+#: a process's calls registered together on one key follow each other: see the docstring).
+LOADS = pytest.mark.parametrize("burst", [1, 3], ids=["one at a time", "in bursts of 3"])
+
+
+def process_of(call: int, burst: int) -> int:
+    """The index of the process that makes ``call`` in bursts of ``burst`` calls."""
+    return call // burst % PROCESSES
 
 
 async def make_calls(
@@ -45,11 +59,12 @@ async def make_calls(
     start_ns: int,
     lost: tuple[type[BaseException], ...] = (LeaseLost,),
     in_doubt: tuple[type[BaseException], ...] = (),
+    burst: int = 1,
 ) -> None:
     """A worker's part of the schedule, through ``run`` (a queue's ``run``): ``lost`` are the
     backend's errors for a turn whose lease ran out while it ran, ``unavailable`` its error
     for a call that did not run, ``in_doubt`` its errors for a commit whose outcome is unknown
-    (the call is not made again)."""
+    (the call is not made again); its calls in bursts of ``burst``."""
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(line: str) -> None:
@@ -87,24 +102,27 @@ async def make_calls(
         except unavailable:
             await asyncio.sleep(0.05)
     calls: list[asyncio.Task[None]] = []
-    for call in range(index, CALLS, PROCESSES):
-        await asyncio.sleep(max(0.0, (start_ns + call * SPACING * 1e9 - time.monotonic_ns()) / 1e9))
-        calls.append(asyncio.create_task(one(call, f"k{call % KEYS}")))
+    for group in range(index, -(-CALLS // burst), PROCESSES):
+        first = group * burst
+        at = start_ns + first * SPACING * 1e9
+        await asyncio.sleep(max(0.0, (at - time.monotonic_ns()) / 1e9))
+        for call in range(first, min(first + burst, CALLS)):  # at once: registered together
+            calls.append(asyncio.create_task(one(call, f"k{group % KEYS}")))
     await asyncio.gather(*calls)
     os.close(log)
 
 
-def until_holding(log: Path, index: int) -> None:
-    """Wait until a function of process ``index`` has started and not ended: it holds a turn
-    (its call may still end before the caller acts; the check allows for that)."""
+def until_holding(log: Path, process: subprocess.Popen[str]) -> None:
+    """Wait until a function of ``process`` has started and not ended: it holds a turn (its
+    call may still end before the caller acts; the check allows for that)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if log.exists():
             turns, _ = read(log)
-            if any(t.call % PROCESSES == index and t.ended is None for t in turns):
+            if any(t.pid == process.pid and t.ended is None for t in turns):
                 return
         time.sleep(0.002)
-    raise AssertionError(f"process {index} never held a turn")
+    raise AssertionError(f"process {process.pid} never held a turn")
 
 
 Workers = list[subprocess.Popen[str]]
@@ -120,10 +138,12 @@ def run_case(
     fault: Fault,
     killed: int | None = None,
     unkept: bool = False,
+    burst: int = 1,
 ) -> None:
     """One fault case: start the workers (``worker``: the command before the log, index and
-    start), let ``fault`` hit a quarter into the schedule, with calls queued on both keys,
-    wait for the workers, and `check` what they logged."""
+    start; they make their calls in bursts of ``burst``), let ``fault`` hit a quarter into
+    the schedule, with calls queued on both keys, wait for the workers, and `check` what they
+    logged."""
     workers, start = start_workers(worker, log)
     at = start + CALLS * SPACING * 1e9 / 4
     time.sleep(max(0.0, (at - time.monotonic_ns()) / 1e9))
@@ -131,14 +151,14 @@ def run_case(
     began = fault(workers) or began
     ended = time.monotonic_ns()
     wait_for(workers, 20 * LEASE + 10, killed)
-    check(log, (began, ended), fair, killed, unkept)
+    check(log, (began, ended), fair, killed, unkept, burst)
 
 
 def kill_holder(log: Path, index: int) -> Fault:
     """The fault: kill process ``index`` while it holds a turn."""
 
     def kill(workers: Workers) -> int:
-        until_holding(log, index)
+        until_holding(log, workers[index])
         workers[index].kill()
         return time.monotonic_ns()
 
@@ -149,7 +169,7 @@ def stop_holder(log: Path, index: int) -> Fault:
     """The fault: stop process ``index`` for three leases while it holds a turn."""
 
     def stop(workers: Workers) -> int:
-        until_holding(log, index)
+        until_holding(log, workers[index])
         return stop_for(workers[index], 3 * LEASE)
 
     return stop
@@ -242,6 +262,7 @@ def check(
     fair: bool,
     killed: int | None = None,
     unkept: bool = False,
+    burst: int = 1,
 ) -> None:
     """What every fault case promises (``fault``: when it began and ended, monotonic ns):
     every call returned once and its function ran once, but for turns whose writes were not
@@ -256,7 +277,7 @@ def check(
     began, ended = fault
     lease_ns = int(LEASE * 1e9)
     for call in range(CALLS):
-        if call % PROCESSES == killed:
+        if process_of(call, burst) == killed:
             continue
         returned = [outcome for outcome in outcomes.get(call, []) if outcome != "unavailable"]
         assert len(returned) == 1, f"call {call} returned {len(returned)} times"

@@ -11,7 +11,7 @@ python -m tests.postgres_worker DSN hold-idle KEY LEASE
     the same, without the "partial" row: "holding" comes before the turn's first statement
 python -m tests.postgres_worker DSN sleep KEY LEASE
     take KEY's turn, print "holding", and run ``SELECT pg_sleep(60)`` in it
-python -m tests.postgres_worker DSN fault-load MODE POOL LOG INDEX START
+python -m tests.postgres_worker DSN fault-load MODE POOL BURST LOG INDEX START
     the fault suite's worker (see tests/fault_load.py), MODE fair or default, POOL its pool's
     max_size
 python -m tests.postgres_worker DSN order MODE LOG OWNERS INDEX START SPACING TURN
@@ -135,7 +135,9 @@ async def order(dsn: str, fair: bool, arguments: list[str]) -> None:
     say("done")
 
 
-async def fault_calls(dsn: str, fair: bool, size: int, log: str, index: int, start: int) -> None:
+async def fault_calls(
+    dsn: str, fair: bool, size: int, burst: int, log: str, index: int, start: int
+) -> None:
     async with AsyncConnectionPool(dsn, min_size=1, max_size=size, open=False) as pool:
         queue = PostgresKeyedQueue(pool, namespace="load", lease=fault_load.LEASE, fair=fair)
         await fault_load.make_calls(
@@ -146,6 +148,7 @@ async def fault_calls(dsn: str, fair: bool, size: int, log: str, index: int, sta
             start,
             (LeaseLost, LeaseExpired),
             (CommitInDoubt,),
+            burst,
         )
         await queue.aclose()
 
@@ -162,8 +165,8 @@ def main() -> None:
     if mode == "log":
         asyncio.run(log_calls(dsn, int(rest[0]), int(rest[1]), int(rest[2])))
     elif mode == "fault-load":
-        fair, size = rest[0] == "fair", int(rest[1])
-        asyncio.run(fault_calls(dsn, fair, size, rest[2], int(rest[3]), int(rest[4])))
+        fair, size, burst = rest[0] == "fair", int(rest[1]), int(rest[2])
+        asyncio.run(fault_calls(dsn, fair, size, burst, rest[3], int(rest[4]), int(rest[5])))
     elif mode == "order":
         asyncio.run(order(dsn, rest[0] == "fair", rest[1:]))
     elif mode in ("hold", "hold-idle", "sleep", "stop-in-statement"):

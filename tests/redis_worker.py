@@ -11,7 +11,7 @@ python -m tests.redis_worker URL wait KEY LEASE
     print "waiting", then wait for KEY's turn and print "got <fence>"
 python -m tests.redis_worker URL order MODE LOG OWNERS INDEX START SPACING TURN
     the cross-process order test's worker (see tests/fair_order.py), MODE fair or default
-python -m tests.redis_worker URL fault-load MODE POOL LOG INDEX START
+python -m tests.redis_worker URL fault-load MODE POOL BURST LOG INDEX START
     the fault suite's worker (see tests/fault_load.py), MODE fair or default, POOL its
     client's max_connections (0: redis-py's default)
 """
@@ -83,10 +83,12 @@ async def order(url: str, fair: bool, arguments: list[str]) -> None:
     say("done")
 
 
-async def fault_calls(url: str, fair: bool, pool: int, log: str, index: int, start: int) -> None:
+async def fault_calls(
+    url: str, fair: bool, pool: int, burst: int, log: str, index: int, start: int
+) -> None:
     client = redis.asyncio.Redis.from_url(url, max_connections=pool or None)
     queue = RedisKeyedQueue(client, namespace="load", lease=fault_load.LEASE, fair=fair)
-    await fault_load.make_calls(queue.run, RedisUnavailable, log, index, start)
+    await fault_load.make_calls(queue.run, RedisUnavailable, log, index, start, burst=burst)
     await queue.aclose()
     await client.aclose()
 
@@ -140,8 +142,8 @@ if __name__ == "__main__":
     elif mode == "order":
         asyncio.run(order(url, rest[0] == "fair", rest[1:]))
     elif mode == "fault-load":
-        fair, pool = rest[0] == "fair", int(rest[1])
-        asyncio.run(fault_calls(url, fair, pool, rest[2], int(rest[3]), int(rest[4])))
+        fair, pool, burst = rest[0] == "fair", int(rest[1]), int(rest[2])
+        asyncio.run(fault_calls(url, fair, pool, burst, rest[3], int(rest[4]), int(rest[5])))
     elif mode == "wait":
         asyncio.run(wait(url, rest[0], float(rest[1])))
     else:

@@ -21,6 +21,7 @@ from . import fault_load
 pytestmark = [pytest.mark.fault_suite, pytest.mark.xdist_group("postgres-connections")]
 
 MODES = pytest.mark.parametrize("fair", [False, True], ids=["default", "fair"])
+LOADS = fault_load.LOADS
 #: Seconds the terminated-connections fault lasts past its backends' exit (a fifth of a
 #: lease): for a worker to read a last answer such a backend sent (see that case).
 LAST_ANSWERS = fault_load.LEASE / 5
@@ -32,37 +33,49 @@ def _run(
     fair: bool,
     fault: fault_load.Fault,
     killed: int | None = None,
+    burst: int = 1,
 ) -> None:
     # A pool of four, smaller than the calls each process has waiting, in both modes: fair
     # mode's waiting calls hold tickets, not connections.
     mode = "fair" if fair else "default"
-    worker = [sys.executable, "-m", "tests.postgres_worker", postgres_dsn, "fault-load", mode, "4"]
+    worker = [
+        *(sys.executable, "-m", "tests.postgres_worker", postgres_dsn),
+        *("fault-load", mode, "4", str(burst)),
+    ]
     # A turn whose session the server ended keeps nothing, and its call fails with
     # PostgresUnavailable: the worker makes it again.
-    fault_load.run_case(worker, tmp_path / "calls.log", fair, fault, killed, unkept=True)
+    fault_load.run_case(worker, tmp_path / "calls.log", fair, fault, killed, True, burst)
 
 
 @MODES
+@LOADS
 def test_a_killed_process_with_a_turn_and_calls_waiting(
-    postgres_dsn: str, tmp_path: Path, fair: bool
+    postgres_dsn: str, tmp_path: Path, fair: bool, burst: int
 ) -> None:
-    _run(postgres_dsn, tmp_path, fair, fault_load.kill_holder(tmp_path / "calls.log", 0), 0)
+    kill = fault_load.kill_holder(tmp_path / "calls.log", 0)
+    _run(postgres_dsn, tmp_path, fair, kill, 0, burst)
 
 
 @MODES
-def test_a_holder_paused_past_its_lease(postgres_dsn: str, tmp_path: Path, fair: bool) -> None:
-    _run(postgres_dsn, tmp_path, fair, fault_load.stop_holder(tmp_path / "calls.log", 0))
+@LOADS
+def test_a_holder_paused_past_its_lease(
+    postgres_dsn: str, tmp_path: Path, fair: bool, burst: int
+) -> None:
+    stop = fault_load.stop_holder(tmp_path / "calls.log", 0)
+    _run(postgres_dsn, tmp_path, fair, stop, None, burst)
 
 
 @MODES
+@LOADS
 def test_a_waiting_process_paused_past_two_leases(
-    postgres_dsn: str, tmp_path: Path, fair: bool
+    postgres_dsn: str, tmp_path: Path, fair: bool, burst: int
 ) -> None:
-    _run(postgres_dsn, tmp_path, fair, fault_load.stop_process(1))
+    _run(postgres_dsn, tmp_path, fair, fault_load.stop_process(1), None, burst)
 
 
 @MODES
-def test_terminated_connections(postgres_dsn: str, tmp_path: Path, fair: bool) -> None:
+@LOADS
+def test_terminated_connections(postgres_dsn: str, tmp_path: Path, fair: bool, burst: int) -> None:
     def terminate(_: fault_load.Workers) -> int:
         began = time.monotonic_ns()
         with psycopg.connect(postgres_dsn, autocommit=True) as admin:
@@ -77,4 +90,4 @@ def test_terminated_connections(postgres_dsn: str, tmp_path: Path, fair: bool) -
         time.sleep(LAST_ANSWERS)
         return began
 
-    _run(postgres_dsn, tmp_path, fair, terminate)
+    _run(postgres_dsn, tmp_path, fair, terminate, None, burst)

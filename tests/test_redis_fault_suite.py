@@ -23,6 +23,7 @@ from .redis_server import RedisServer
 pytestmark = pytest.mark.fault_suite
 
 MODES = pytest.mark.parametrize("fair", [False, True], ids=["default", "fair"])
+LOADS = fault_load.LOADS
 
 
 def _run(
@@ -32,10 +33,11 @@ def _run(
     fault: fault_load.Fault,
     killed: int | None = None,
     pool: int = 0,
+    burst: int = 1,
 ) -> None:
     worker = [sys.executable, "-m", "tests.redis_worker", redis_server.url, "fault-load"]
-    worker += ["fair" if fair else "default", str(pool)]
-    fault_load.run_case(worker, tmp_path / "calls.log", fair, fault, killed)
+    worker += ["fair" if fair else "default", str(pool), str(burst)]
+    fault_load.run_case(worker, tmp_path / "calls.log", fair, fault, killed, burst=burst)
 
 
 def _restart(redis_server: RedisServer, down_for: float = 0.0) -> int:
@@ -53,55 +55,69 @@ def _restart(redis_server: RedisServer, down_for: float = 0.0) -> int:
 
 
 @MODES
+@LOADS
 def test_a_restart_that_loses_the_data_while_calls_wait(
-    redis_server: RedisServer, tmp_path: Path, fair: bool
+    redis_server: RedisServer, tmp_path: Path, fair: bool, burst: int
 ) -> None:
-    _run(redis_server, tmp_path, fair, lambda _: _restart(redis_server))
+    _run(redis_server, tmp_path, fair, lambda _: _restart(redis_server), burst=burst)
 
 
 @MODES
+@LOADS
 def test_a_server_down_for_several_leases_while_calls_wait(
-    redis_server: RedisServer, tmp_path: Path, fair: bool
+    redis_server: RedisServer, tmp_path: Path, fair: bool, burst: int
 ) -> None:
-    _run(redis_server, tmp_path, fair, lambda _: _restart(redis_server, 4 * fault_load.LEASE))
+    def restart(_: fault_load.Workers) -> int:
+        return _restart(redis_server, 4 * fault_load.LEASE)
+
+    _run(redis_server, tmp_path, fair, restart, burst=burst)
 
 
 @MODES
-def test_client_pause_under_load(redis_server: RedisServer, tmp_path: Path, fair: bool) -> None:
+@LOADS
+def test_client_pause_under_load(
+    redis_server: RedisServer, tmp_path: Path, fair: bool, burst: int
+) -> None:
     pause = 4 * fault_load.LEASE
 
     def paused(_: fault_load.Workers) -> None:
         redis_server.command(f"CLIENT PAUSE {int(pause * 1000)} ALL")
         time.sleep(pause)
 
-    _run(redis_server, tmp_path, fair, paused)
+    _run(redis_server, tmp_path, fair, paused, burst=burst)
 
 
 @MODES
+@LOADS
 def test_a_waiting_process_paused_past_two_leases(
-    redis_server: RedisServer, tmp_path: Path, fair: bool
+    redis_server: RedisServer, tmp_path: Path, fair: bool, burst: int
 ) -> None:
-    _run(redis_server, tmp_path, fair, fault_load.stop_process(1))
+    _run(redis_server, tmp_path, fair, fault_load.stop_process(1), burst=burst)
 
 
 @MODES
+@LOADS
 def test_a_killed_process_with_a_turn_and_calls_waiting(
-    redis_server: RedisServer, tmp_path: Path, fair: bool
+    redis_server: RedisServer, tmp_path: Path, fair: bool, burst: int
 ) -> None:
-    _run(redis_server, tmp_path, fair, fault_load.kill_holder(tmp_path / "calls.log", 0), 0)
+    kill = fault_load.kill_holder(tmp_path / "calls.log", 0)
+    _run(redis_server, tmp_path, fair, kill, 0, burst=burst)
 
 
 @MODES
+@LOADS
 def test_a_holder_paused_past_its_lease(
-    redis_server: RedisServer, tmp_path: Path, fair: bool
+    redis_server: RedisServer, tmp_path: Path, fair: bool, burst: int
 ) -> None:
-    _run(redis_server, tmp_path, fair, fault_load.stop_holder(tmp_path / "calls.log", 0))
+    stop = fault_load.stop_holder(tmp_path / "calls.log", 0)
+    _run(redis_server, tmp_path, fair, stop, burst=burst)
 
 
 @MODES
+@LOADS
 def test_a_restart_with_a_pool_smaller_than_the_calls_waiting(
-    redis_server: RedisServer, tmp_path: Path, fair: bool
+    redis_server: RedisServer, tmp_path: Path, fair: bool, burst: int
 ) -> None:
     # Four connections per process: one for the grants, and one script call in flight at a
     # time (see keyserial/redis/_transport.py) for tens of waiting calls.
-    _run(redis_server, tmp_path, fair, lambda _: _restart(redis_server), pool=4)
+    _run(redis_server, tmp_path, fair, lambda _: _restart(redis_server), pool=4, burst=burst)
