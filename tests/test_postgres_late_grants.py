@@ -17,6 +17,7 @@ from keyserial.postgres import PostgresKeyedQueue
 from keyserial.postgres._turn import PgTurn
 
 from .conftest import Pools
+from .fair_lines import until_tickets, until_waiting_in_server
 from .redis_helpers import until
 
 pytestmark = pytest.mark.asyncio
@@ -30,6 +31,7 @@ async def test_locks_granted_before_a_pause_never_start_the_function_late(
     pools: Pools, mode: str, pause: float
 ) -> None:
     fair = mode != "default"
+    watcher = await pools(max_size=1)
     a = PostgresKeyedQueue(await pools(), namespace="t", lease=LEASE, fair=fair)
     b = PostgresKeyedQueue(await pools(), namespace="t", lease=LEASE, fair=fair)
     release = asyncio.Event()
@@ -69,11 +71,11 @@ async def test_locks_granted_before_a_pause_never_start_the_function_late(
     calls: list[asyncio.Task[Any]] = [holder]
     if mode == "fair-ticket":  # a's next call takes a ticket, and b's finds it
         calls.append(asyncio.create_task(a.run("k", note)))
-        await until(lambda: a.stats().waiting == 1, "a's next call registers")
-        await asyncio.sleep(LEASE / 2)  # its ticket reaches the server
+        await until_tickets(watcher, 1)  # its ticket is registered: b's call will see it
     waiter = asyncio.create_task(b.run("k", note))
-    await until(lambda: b.stats().running == 1, "the waiter registers")
-    await asyncio.sleep(LEASE / 2)  # its lock request reaches the server's queue
+    # The waiter's transaction waits in the server's queue (in fair-ticket mode, behind a's
+    # next call's).
+    await until_waiting_in_server(watcher, 2 if mode == "fair-ticket" else 1)
     release.set()
     started = await asyncio.wait_for(waiter, 10)  # no LeaseExpired: it never started late
     await asyncio.gather(*calls)
