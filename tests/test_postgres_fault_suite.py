@@ -1,6 +1,7 @@
-"""Faults under load on PostgreSQL, in both modes, with real processes and a real server: the
-checks of tests/fault_load.py (every call's writes are kept once, no function starts on a lease
-that ran out, no call is left waiting, the key passes on within 1.5 leases, order in fair mode).
+"""Faults under load on PostgreSQL, in both modes, with real processes and a real server, calls
+made one at a time and in bursts: the checks of tests/fault_load.py (every call returns once and
+its function runs once, no function starts on a lease that ran out, no call is left waiting, the
+key passes on within 1.5 leases, order in fair mode).
 
 Run with the Redis fault suite, on its own (see tests/test_redis_fault_suite.py):
 

@@ -1,6 +1,7 @@
-"""Faults under load, in both modes, with real processes and a real server: each case checks
-what tests/fault_load.py promises (every call runs once, no function starts on a lease that
-ran out, no call is left waiting, the key passes on within 1.5 leases, order in fair mode).
+"""Faults under load, in both modes, with real processes and a real server, calls made one at a
+time and in bursts: each case checks what tests/fault_load.py promises (every call runs once, no
+function starts on a lease that ran out, no call is left waiting, the key passes on within 1.5
+leases, order in fair mode).
 
 Not part of the default run: its bounds are timing bounds (1.5 leases), for a machine that is
 not overloaded. CI runs it on its own, after the tests; so can you:
