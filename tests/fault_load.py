@@ -5,7 +5,7 @@ Call ``i`` is made ``i * SPACING`` after a common start by process ``i % PROCESS
 ``k<i % KEYS>``; its turn lasts ``TURN``. With bursts of ``n`` calls, the calls go in groups
 of ``n``: group ``g`` is made at once, ``g * n * SPACING`` after the start, by process
 ``g % PROCESSES``, on key ``k<g % KEYS>`` (in PostgreSQL's fair mode, a process's calls
-registered together on one key follow each other: each commit begins the next one's turn). A
+registered together on one key follow each other: a commit can begin the next one's turn). A
 worker appends to the log, on the system-wide monotonic clock: ``S call key pid made started
 fence`` when a function starts, ``E call ended`` when it ends, and ``O call outcome`` when the
 call returns (``ok``, ``lease-lost``), retrying a call that failed with the backend's
@@ -41,8 +41,8 @@ TURN = 0.03
 LEASE = 0.5
 #: Calls made this far apart in fair mode start in the order they were made.
 MARGIN_NS = 20_000_000
-#: The two schedules of the suites: calls one at a time, or in bursts of three (in fair mode,
-#: a process's calls registered together on one key follow each other: see the docstring).
+#: The two schedules of the suites: calls one at a time, or in bursts of three on one key (see
+#: the docstring).
 LOADS = pytest.mark.parametrize("burst", [1, 3], ids=["one at a time", "in bursts of 3"])
 
 

@@ -13,7 +13,7 @@ python -m tests.postgres_worker DSN sleep KEY LEASE
     take KEY's turn, print "holding", and run ``SELECT pg_sleep(60)`` in it
 python -m tests.postgres_worker DSN fault-load MODE POOL BURST LOG INDEX START
     the fault suite's worker (see tests/fault_load.py), MODE fair or default, POOL its pool's
-    max_size
+    max_size, BURST the calls it makes at once on one key (1: one at a time)
 python -m tests.postgres_worker DSN order MODE LOG OWNERS INDEX START SPACING TURN
     the cross-process order test's worker (see tests/fair_order.py), MODE fair or default
 """

@@ -13,7 +13,8 @@ python -m tests.redis_worker URL order MODE LOG OWNERS INDEX START SPACING TURN
     the cross-process order test's worker (see tests/fair_order.py), MODE fair or default
 python -m tests.redis_worker URL fault-load MODE POOL BURST LOG INDEX START
     the fault suite's worker (see tests/fault_load.py), MODE fair or default, POOL its
-    client's max_connections (0: redis-py's default)
+    client's max_connections (0: redis-py's default), BURST the calls it makes at once on one
+    key (1: one at a time)
 """
 
 from __future__ import annotations
