@@ -45,7 +45,9 @@ def _run(
     ]
     # A turn whose session the server ended keeps nothing, and its call fails with
     # PostgresUnavailable: the worker makes it again.
-    fault_load.run_case(worker, tmp_path / "calls.log", fair, fault, killed, True, burst)
+    fault_load.run_case(
+        worker, tmp_path / "calls.log", fair, fault, killed, unkept=True, burst=burst
+    )
 
 
 @MODES
