@@ -153,14 +153,24 @@ async def test_bursts_of_calls_of_several_processes_on_one_key_all_run_in_each_s
         await queue.aclose()
 
 
-async def test_a_commit_notifies_only_the_processes_of_the_first_two_tickets(
+async def test_a_commit_notifies_only_the_process_of_the_ticket_that_may_go_next(
     postgres_dsn: str,
 ) -> None:
     # Tickets 100 (a, giving it back), 101 (b), 102 (c) and 103 (d) wait on one key. Once
-    # 100 is given back, 101 is next and 102 may follow it: only b and c are woken.
+    # 100 is given back, 101 is next (b was asked when 101 became second, with 100 ahead)
+    # and 102 may follow it: only c is woken.
     heard, _ = await words_of_a_give_back(postgres_dsn, "abcd")
     key = lock_id("t", "k")
-    assert heard == {"a": [], "b": [f"{key}:102"], "c": [f"{key}:102"], "d": []}
+    assert heard == {"a": [], "b": [], "c": [f"{key}:102"], "d": []}
+
+
+async def test_a_commit_wakes_no_one_when_the_next_two_tickets_are_one_process_s(
+    postgres_dsn: str,
+) -> None:
+    # Tickets 101 and 102 are b's: 102 waits for 101, whose give-back b hears in its own
+    # rows. Neither b nor d is woken.
+    heard, _ = await words_of_a_give_back(postgres_dsn, "abbd")
+    assert heard == {"a": [], "b": [], "d": []}
 
 
 async def test_tickets_registered_together_follow_each_other_without_asking_again(

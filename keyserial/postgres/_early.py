@@ -26,9 +26,10 @@ hold the keys while its call waits in this process for theirs):
   in the server right behind it, so the hand-off itself is the server's grant, as in the
   default mode;
 * ``wait``: two or more live tickets are ahead. A word that the line moved (a call gave
-  its ticket back, in its commit or later: ``pg_notify`` on the channel of each process
-  concerned, with the key's lock id and the ticket that may now go as payload; the giving
-  process's own share comes back as rows instead) or the next heartbeat asks again;
+  its ticket back, in its commit or later: ``pg_notify`` on the channel of the process whose
+  ticket became second, if the first is another process's, with the key's lock id and that
+  ticket as payload; the giving process's own share comes back as rows instead; see
+  `TicketSql.give_back`) or the next heartbeat asks again;
 * ``soon``: one ticket is ahead, and its transaction is not in the server's lock queue yet
   (it is on its way): asked again shortly, then less and less often;
 * ``lost``: the row is gone (its process was stopped for so long that another process

@@ -183,26 +183,36 @@ class TicketSql:
         """Tell each of ``locks``' lines who may go once ``tickets`` (this process's) are given
         back; delete ``tickets``' rows.
 
-        The word, ``<lock>:<ticket>``, names the second ticket left on the line (the first
-        is the next call's, in the server's queue already), or the first if it is alone:
-        only the calls up to it are asked again, so it goes to the processes of the first
-        two tickets only. Other processes get it as a notification (``pg_notify``), sent
-        when the transaction commits; this process's own share comes back as the first
-        statement's rows ``(lock, ticket, _, true)`` (see `TicketDesk.moved`). A ticket
-        named that is dead or stopped leaves the line to the heartbeat, which asks every
-        parked call.
+        The word, ``<lock>:<ticket>``, names the second ticket left on the line, or the
+        first if it is alone: only the calls up to it are asked again. Another process hears
+        it as a notification (``pg_notify``, sent when the transaction commits) only if it
+        holds the second ticket and the first is another process's. No one else needs it:
+
+        * the first ticket left was the second at an earlier give-back (or at its own
+          registration), and was asked then; with one live ticket ahead, its verdict was
+          ``go`` or ``soon``, and a call told ``soon`` asks again on its own;
+        * when the first two tickets are one process's, the second waits for the first
+          (it follows it, or it is asked once the first is given back: that process gives
+          it back, and hears its own word).
+
+        This process's own share comes back as the first statement's rows
+        ``(lock, ticket, _, true)`` (see `TicketDesk.moved`). A ticket named that is dead
+        or stopped leaves the line to the heartbeat, which asks every parked call.
         """
         return [self.tell(tickets, locks), self.delete(tickets)]
 
     def tell(self, tickets: list[int], locks: list[int]) -> str:
         """The first statement of `give_back`."""
         return (
-            f"SELECT l, o.h, CASE WHEN o.owner <> {self.owner_id} THEN pg_notify("
+            f"SELECT l, o.h, CASE WHEN o.ticket = o.h AND o.first <> o.owner "
+            f"AND o.owner <> {self.owner_id} THEN pg_notify("
             f"{self.channels_text} || lpad(to_hex(o.owner), 16, '0'), l || ':' || o.h) END, "
             f"o.owner = {self.owner_id} "
-            f"FROM unnest({bigints(locks)}) l, LATERAL (SELECT owner, max(ticket) OVER () "
+            f"FROM unnest({bigints(locks)}) l, LATERAL (SELECT owner, ticket, "
+            f"max(ticket) OVER (), first_value(owner) OVER (ORDER BY ticket) "
             f"FROM (SELECT owner, ticket FROM {self.table_text} WHERE lock = l "
-            f"AND ticket <> ALL({bigints(tickets)}) ORDER BY ticket LIMIT 2) f) o(owner, h)"
+            f"AND ticket <> ALL({bigints(tickets)}) ORDER BY ticket LIMIT 2) f) "
+            f"o(owner, ticket, h, first)"
         )
 
     def delete(self, tickets: list[int]) -> str:
