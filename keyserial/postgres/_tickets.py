@@ -204,15 +204,17 @@ class TicketSql:
     def tell(self, tickets: list[int], locks: list[int]) -> str:
         """The first statement of `give_back`."""
         return (
-            f"SELECT l, o.h, CASE WHEN o.ticket = o.h AND o.first <> o.owner "
+            # The named ticket's row notifies its process when the two tickets left have two
+            # owners (with one ticket left, or one owner, no one is notified).
+            f"SELECT l, o.h, CASE WHEN o.ticket = o.h AND o.lo <> o.hi "
             f"AND o.owner <> {self.owner_id} THEN pg_notify("
             f"{self.channels_text} || lpad(to_hex(o.owner), 16, '0'), l || ':' || o.h) END, "
             f"o.owner = {self.owner_id} "
             f"FROM unnest({bigints(locks)}) l, LATERAL (SELECT owner, ticket, "
-            f"max(ticket) OVER (), first_value(owner) OVER (ORDER BY ticket) "
+            f"max(ticket) OVER (), min(owner) OVER (), max(owner) OVER () "
             f"FROM (SELECT owner, ticket FROM {self.table_text} WHERE lock = l "
             f"AND ticket <> ALL({bigints(tickets)}) ORDER BY ticket LIMIT 2) f) "
-            f"o(owner, ticket, h, first)"
+            f"o(owner, ticket, h, lo, hi)"
         )
 
     def delete(self, tickets: list[int]) -> str:
