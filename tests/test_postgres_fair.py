@@ -226,6 +226,34 @@ async def test_a_verdict_reads_the_locks_of_its_own_database_only(postgres_dsn: 
             await elsewhere.execute("ROLLBACK")
 
 
+async def test_a_heartbeat_clears_the_fresh_tickets_of_a_process_that_died(
+    postgres_dsn: str,
+) -> None:
+    # Process d was killed while its calls 100 and 101 waited: its desk's session, and with
+    # it its owner lock, are gone, but the rows are fresh. Verdicts skip them; a give-back's
+    # word, which names the first tickets of the line, would name them and reach no one. The
+    # next heartbeat of any process clears them; a's, alive, and the beating process's own
+    # stay.
+    owner_a, owner_d, owner_m = new_owner(), new_owner(), new_owner()
+    key = lock_id("t", "k")
+    connect = psycopg.AsyncConnection.connect
+    async with (
+        await connect(postgres_dsn, autocommit=True) as a,
+        await connect(postgres_dsn, autocommit=True) as m,
+    ):
+        await ensure_sequence(a, "fences", None)
+        await ensure_ticket_table(a, "fences", None)
+        await a.execute("SELECT pg_advisory_lock(%s, %s)", owner_lock(owner_a))
+        await a.execute(
+            "INSERT INTO fences_tq SELECT %s, t, o, now() "
+            "FROM unnest(%s::bigint[], %s::bigint[]) AS r(t, o)",
+            (key, [100, 101, 102, 103], [owner_d, owner_d, owner_a, owner_m]),
+        )
+        await m.execute(TicketSql("fences", None, 10.0, owner_m).heartbeat([103]))
+        cursor = await m.execute("SELECT ticket FROM fences_tq ORDER BY ticket")
+        assert [row[0] for row in await cursor.fetchall()] == [102, 103]
+
+
 async def test_the_ticket_connection_takes_its_owner_lock_once_an_old_session_lets_go(
     pools: Pools, postgres_dsn: str
 ) -> None:

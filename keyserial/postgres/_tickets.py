@@ -63,6 +63,11 @@ def owner_lock(owner: int) -> tuple[int, int]:
     return owner >> 32, low - (1 << 32) if low >= 1 << 31 else low
 
 
+#: This database's oid: pg_locks shows the locks of every database of the server, and only
+#: this one's count.
+_HERE = "(SELECT oid FROM pg_database WHERE datname = current_database())"
+
+
 class TicketSql:
     """The statements of one queue's tickets: its table, channel, sequence and lease."""
 
@@ -87,8 +92,7 @@ class TicketSql:
 
     def verdict(self, ticket: sql.Composable) -> sql.Composed:
         """An expression: ``ticket``'s verdict (the rules are in ``_early``'s docstring)."""
-        # pg_locks shows the locks of every database of the server: only this one's count.
-        here = sql.SQL("(SELECT oid FROM pg_database WHERE datname = current_database())")
+        here = sql.SQL(_HERE)
         owner_alive = sql.SQL(
             "SELECT 1 FROM pg_locks o WHERE o.locktype = 'advisory' AND o.objsubid = 2 "
             "AND o.database = {here} AND o.granted "
@@ -227,14 +231,24 @@ class TicketSql:
     def heartbeat(self, tickets: list[int]) -> sql.Composed:
         """Take the owner lock if this session does not hold it yet (a session of this
         process that the server had not ended yet held it when this one began); clear the
-        rows of processes gone for three leases and this process's rows no call holds;
-        refresh the others, returning their tickets."""
+        rows of processes that died (no session holds their owner locks) or stopped three
+        leases ago, and this process's rows no call holds; refresh the others, returning
+        their tickets.
+
+        A dead process's rows are skipped by verdicts at once, but a give-back's word names
+        the first tickets of the line, live or not: while two of them lead a line, no word
+        reaches the calls behind, which would wait for their heartbeats until the rows aged
+        out. A process whose ticket connection broke finds its rows gone once it
+        reconnects, and takes new tickets, in the order of its calls (see ``_desk``)."""
         high, low = owner_lock(self.owner_id)
         return sql.SQL(
             "SELECT pg_try_advisory_lock({high}, {low}) WHERE NOT EXISTS (SELECT 1 FROM pg_locks "
             "WHERE locktype = 'advisory' AND objsubid = 2 AND pid = pg_backend_pid() "
             "AND classid = {high_oid} AND objid = {low_oid}); "
-            "DELETE FROM {t} WHERE seen < clock_timestamp() - {gone}::interval; "
+            "DELETE FROM {t} WHERE seen < clock_timestamp() - {gone}::interval "
+            "OR ((owner >> 32) & {low32}, owner & {low32}) NOT IN (SELECT classid::bigint, "
+            "objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 "
+            "AND granted AND database = {here}); "
             "DELETE FROM {t} WHERE owner = {owner} AND ticket <> ALL({tickets}::bigint[]); "
             "UPDATE {t} SET seen = clock_timestamp() WHERE owner = {owner} RETURNING ticket"
         ).format(
@@ -244,6 +258,8 @@ class TicketSql:
             low_oid=sql.Literal(low & _LOW32),
             t=self.table,
             gone=self.gone,
+            low32=sql.Literal(_LOW32),
+            here=sql.SQL(_HERE),
             owner=self.owner,
             tickets=sql.Literal(tickets),
         )
