@@ -226,15 +226,17 @@ async def test_a_verdict_reads_the_locks_of_its_own_database_only(postgres_dsn: 
             await elsewhere.execute("ROLLBACK")
 
 
-async def test_a_heartbeat_clears_the_fresh_tickets_of_a_process_that_died(
+async def test_a_heartbeat_clears_the_tickets_of_a_process_dead_for_a_lease(
     postgres_dsn: str,
 ) -> None:
-    # Process d was killed while its calls 100 and 101 waited: its desk's session, and with
-    # it its owner lock, are gone, but the rows are fresh. Verdicts skip them; a give-back's
-    # word, which names the first tickets of the line, would name them and reach no one. The
-    # next heartbeat of any process clears them; a's, alive, and the beating process's own
-    # stay.
-    owner_a, owner_d, owner_m = new_owner(), new_owner(), new_owner()
+    # Process d was killed while its calls 100 and 101 waited, a lease and a half ago: its
+    # desk's session, and with it its owner lock, are gone, but the rows are younger than
+    # three leases. Verdicts skip them; a give-back's word, which names the first tickets
+    # of the line, would name them and reach no one. The next heartbeat of any process
+    # clears them. Process e's desk lost its connection just now: its row stays for a lease
+    # (it may reconnect); a's, alive but stopped for a lease and a half, stays too, and so
+    # does the beating process's own.
+    owner_a, owner_d, owner_e, owner_m = new_owner(), new_owner(), new_owner(), new_owner()
     key = lock_id("t", "k")
     connect = psycopg.AsyncConnection.connect
     async with (
@@ -245,13 +247,18 @@ async def test_a_heartbeat_clears_the_fresh_tickets_of_a_process_that_died(
         await ensure_ticket_table(a, "fences", None)
         await a.execute("SELECT pg_advisory_lock(%s, %s)", owner_lock(owner_a))
         await a.execute(
-            "INSERT INTO fences_tq SELECT %s, t, o, now() "
-            "FROM unnest(%s::bigint[], %s::bigint[]) AS r(t, o)",
-            (key, [100, 101, 102, 103], [owner_d, owner_d, owner_a, owner_m]),
+            "INSERT INTO fences_tq SELECT %s, t, o, now() - s * interval '1 second' "
+            "FROM unnest(%s::bigint[], %s::bigint[], %s::float8[]) AS r(t, o, s)",
+            (
+                key,
+                [100, 101, 102, 103, 104],
+                [owner_d, owner_d, owner_e, owner_a, owner_m],
+                [15.0, 15.0, 0.0, 15.0, 0.0],
+            ),
         )
-        await m.execute(TicketSql("fences", None, 10.0, owner_m).heartbeat([103]))
+        await m.execute(TicketSql("fences", None, 10.0, owner_m).heartbeat([104]))
         cursor = await m.execute("SELECT ticket FROM fences_tq ORDER BY ticket")
-        assert [row[0] for row in await cursor.fetchall()] == [102, 103]
+        assert [row[0] for row in await cursor.fetchall()] == [102, 103, 104]
 
 
 async def test_the_ticket_connection_takes_its_owner_lock_once_an_old_session_lets_go(

@@ -231,24 +231,26 @@ class TicketSql:
     def heartbeat(self, tickets: list[int]) -> sql.Composed:
         """Take the owner lock if this session does not hold it yet (a session of this
         process that the server had not ended yet held it when this one began); clear the
-        rows of processes that died (no session holds their owner locks) or stopped three
-        leases ago, and this process's rows no call holds; refresh the others, returning
-        their tickets.
+        rows of processes that stopped three leases ago, or died a lease ago (no session
+        holds their owner locks), and this process's rows no call holds; refresh the others,
+        returning their tickets.
 
         A dead process's rows are skipped by verdicts at once, but a give-back's word names
         the first tickets of the line, live or not: while two of them lead a line, no word
-        reaches the calls behind, which would wait for their heartbeats until the rows aged
-        out. A process whose ticket connection broke finds its rows gone once it
-        reconnects, and takes new tickets, in the order of its calls (see ``_desk``)."""
+        reaches the calls behind, which wait for their heartbeats until the rows are
+        cleared. Those of a process without its owner lock are kept for a lease: its ticket
+        connection may have broken, and a process that reconnects within it keeps its place
+        (one that comes back later takes new tickets, in the order of its calls)."""
         high, low = owner_lock(self.owner_id)
         return sql.SQL(
             "SELECT pg_try_advisory_lock({high}, {low}) WHERE NOT EXISTS (SELECT 1 FROM pg_locks "
             "WHERE locktype = 'advisory' AND objsubid = 2 AND pid = pg_backend_pid() "
             "AND classid = {high_oid} AND objid = {low_oid}); "
             "DELETE FROM {t} WHERE seen < clock_timestamp() - {gone}::interval "
-            "OR ((owner >> 32) & {low32}, owner & {low32}) NOT IN (SELECT classid::bigint, "
+            "OR (seen < clock_timestamp() - {lease}::interval "
+            "AND ((owner >> 32) & {low32}, owner & {low32}) NOT IN (SELECT classid::bigint, "
             "objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 "
-            "AND granted AND database = {here}); "
+            "AND granted AND database = {here})); "
             "DELETE FROM {t} WHERE owner = {owner} AND ticket <> ALL({tickets}::bigint[]); "
             "UPDATE {t} SET seen = clock_timestamp() WHERE owner = {owner} RETURNING ticket"
         ).format(
@@ -258,6 +260,7 @@ class TicketSql:
             low_oid=sql.Literal(low & _LOW32),
             t=self.table,
             gone=self.gone,
+            lease=self.lease,
             low32=sql.Literal(_LOW32),
             here=sql.SQL(_HERE),
             owner=self.owner,
