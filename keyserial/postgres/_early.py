@@ -49,7 +49,9 @@ tickets of the line both follow their own: it only deletes its ticket (`EarlyTur
 A ticket is live while its process's desk (below) holds its session's advisory lock, the
 *owner lock*, and its heartbeat refreshes ``seen`` every third of the lease: the tickets of
 a process that died are skipped at once (its sessions end with it), those of a process
-that stopped a lease later. So a key has open transactions for at most its direct turns
+that stopped a lease later. Rows of a process without its owner lock for a lease, and of
+one stopped for three, are cleared by the others' heartbeats (`TicketSql.heartbeat`). So a
+key has open transactions for at most its direct turns
 (one per process) and two tickets (the first two of its line); every other waiting call
 holds only its row. Whether a
 ticket's transaction is in the server's lock queue is read in ``pg_locks``: the transaction
