@@ -69,12 +69,13 @@ async def until_waiting_in_server(pool: AsyncConnectionPool[Any], count: int) ->
 
 
 async def words_of_a_give_back(
-    postgres_dsn: str, line: str
+    postgres_dsn: str, line: str, stopped: str = ""
 ) -> tuple[dict[str, list[str]], list[tuple[Any, ...]]]:
     """Tickets 100, 101, ... of the processes named by ``line``'s letters (``"aab"``: two of
     ``a``, then one of ``b``) wait on one key; the first one's process gives ticket 100 back
     in a transaction, as its commit does. What each process's channel heard, and the rows of
-    the tell (its own share)."""
+    the tell (its own share). The processes named in ``stopped`` last beat their heartbeats
+    a lease and a half ago: their tickets are no longer live."""
     owners = {name: new_owner() for name in sorted(set(line))}
     key = lock_id("t", "k")
     tickets = {name: TicketSql("fences", None, 10.0, owner) for name, owner in owners.items()}
@@ -83,9 +84,9 @@ async def words_of_a_give_back(
         await ensure_sequence(giver, "fences", None)
         await ensure_ticket_table(giver, "fences", None)
         await giver.execute(
-            "INSERT INTO fences_tq SELECT %s, 99 + n, owner, now() "
-            "FROM unnest(%s::bigint[]) WITH ORDINALITY AS o(owner, n)",
-            (key, [owners[name] for name in line]),
+            "INSERT INTO fences_tq SELECT %s, 99 + n, owner, now() - age * interval '1 second' "
+            "FROM unnest(%s::bigint[], %s::float8[]) WITH ORDINALITY AS o(owner, age, n)",
+            (key, [owners[name] for name in line], [15.0 if n in stopped else 0.0 for n in line]),
         )
         listeners = {name: await connect() for name in owners}  # each process's desk
         try:

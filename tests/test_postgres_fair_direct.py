@@ -173,6 +173,19 @@ async def test_a_commit_wakes_no_one_when_the_next_two_tickets_are_one_process_s
     assert heard == {"a": [], "b": [], "d": []}
 
 
+async def test_a_commit_tells_the_tickets_next_in_line_past_those_of_a_stopped_process(
+    postgres_dsn: str,
+) -> None:
+    # s stopped a lease and a half ago while two of its calls waited: its tickets, 101 and
+    # 102, are no longer live, and verdicts skip them. Once 100 is given back, c's 103 is
+    # next and d's 104 may follow it. c was never second at a give-back, so it is told too:
+    # a word naming s's tickets would reach no one, and c and d would wait for their
+    # heartbeats until s's rows were cleared, three leases after its last heartbeat.
+    heard, _ = await words_of_a_give_back(postgres_dsn, "asscd", stopped="s")
+    key = lock_id("t", "k")
+    assert heard == {"a": [], "c": [f"{key}:103"], "d": [f"{key}:104"], "s": []}
+
+
 async def test_tickets_registered_together_follow_each_other_without_asking_again(
     pools: Pools,
 ) -> None:

@@ -187,38 +187,46 @@ class TicketSql:
         """Tell each of ``locks``' lines who may go once ``tickets`` (this process's) are given
         back; delete ``tickets``' rows.
 
-        The word, ``<lock>:<ticket>``, names the second ticket left on the line, or the
-        first if it is alone: only the calls up to it are asked again. Another process hears
-        it as a notification (``pg_notify``, sent when the transaction commits) only if it
-        holds the second ticket and the first is another process's. No one else needs it:
+        The word, ``<lock>:<ticket>``, names the second fresh ticket left on the line (one
+        whose heartbeat is less than a lease old), or the first if it is alone: only the
+        calls up to it are asked again. Another process hears it as a notification
+        (``pg_notify``, sent when the transaction commits) only if it holds the second
+        fresh ticket and the first is another process's, or if it holds the first and older
+        rows are ahead of it. No one else needs it:
 
-        * the first ticket left was the second at an earlier give-back (or at its own
-          registration), and was asked then; with one live ticket ahead, its verdict was
-          ``go`` or ``soon``, and a call told ``soon`` asks again on its own;
-        * when the first two tickets are one process's, the second waits for the first
-          (it follows it, or it is asked once the first is given back: that process gives
-          it back, and hears its own word).
+        * the first fresh ticket left was the second at an earlier give-back (or at its
+          own registration), and was asked then, unless rows that were fresh then are
+          ahead of it (a stopped process's: it is told now); with one live ticket ahead,
+          its verdict was ``go`` or ``soon``, and a call told ``soon`` asks again on its
+          own;
+        * when the first two are one process's, the second waits for the first (it follows
+          it, or it is asked once the first is given back: that process gives it back, and
+          hears its own word).
 
         This process's own share comes back as the first statement's rows
         ``(lock, ticket, _, true)`` (see `TicketDesk.moved`). A ticket named that is dead
-        or stopped leaves the line to the heartbeat, which asks every parked call.
+        leaves the line to the heartbeat, which asks every parked call (and clears a dead
+        process's rows once a lease old).
         """
         return [self.tell(tickets, locks), self.delete(tickets)]
 
     def tell(self, tickets: list[int], locks: list[int]) -> str:
         """The first statement of `give_back`."""
         return (
-            # The named ticket's row notifies its process when the two tickets left have two
-            # owners (with one ticket left, or one owner, no one is notified).
-            f"SELECT l, o.h, CASE WHEN o.ticket = o.h AND o.lo <> o.hi "
-            f"AND o.owner <> {self.owner_id} THEN pg_notify("
-            f"{self.channels_text} || lpad(to_hex(o.owner), 16, '0'), l || ':' || o.h) END, "
-            f"o.owner = {self.owner_id} "
+            # Of the first two fresh tickets left, the second's row notifies its process when
+            # the two have two owners; the first's, when older rows are ahead of it.
+            f"SELECT l, o.h, CASE WHEN o.owner <> {self.owner_id} AND ((o.ticket = o.h "
+            f"AND o.lo <> o.hi) OR (o.ticket = o.first AND o.first > o.head)) THEN pg_notify("
+            f"{self.channels_text} || lpad(to_hex(o.owner), 16, '0'), l || ':' || o.ticket) "
+            f"END, o.owner = {self.owner_id} "
             f"FROM unnest({bigints(locks)}) l, LATERAL (SELECT owner, ticket, "
-            f"max(ticket) OVER (), min(owner) OVER (), max(owner) OVER () "
+            f"max(ticket) OVER (), min(owner) OVER (), max(owner) OVER (), min(ticket) OVER (), "
+            f"(SELECT min(ticket) FROM {self.table_text} WHERE lock = l "
+            f"AND ticket <> ALL({bigints(tickets)})) "
             f"FROM (SELECT owner, ticket FROM {self.table_text} WHERE lock = l "
-            f"AND ticket <> ALL({bigints(tickets)}) ORDER BY ticket LIMIT 2) f) "
-            f"o(owner, ticket, h, lo, hi)"
+            f"AND ticket <> ALL({bigints(tickets)}) "
+            f"AND seen > clock_timestamp() - {self.lease_text}::interval "
+            f"ORDER BY ticket LIMIT 2) f) o(owner, ticket, h, lo, hi, first, head)"
         )
 
     def delete(self, tickets: list[int]) -> str:
