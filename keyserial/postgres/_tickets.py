@@ -212,6 +212,7 @@ class TicketSql:
 
     def tell(self, tickets: list[int], locks: list[int]) -> str:
         """The first statement of `give_back`."""
+        given = bigints(tickets)
         return (
             # Of the first two fresh tickets left, the second's row notifies its process when
             # the two have two owners; the first's, when older rows are ahead of it.
@@ -222,9 +223,9 @@ class TicketSql:
             f"FROM unnest({bigints(locks)}) l, LATERAL (SELECT owner, ticket, "
             f"max(ticket) OVER (), min(owner) OVER (), max(owner) OVER (), min(ticket) OVER (), "
             f"(SELECT min(ticket) FROM {self.table_text} WHERE lock = l "
-            f"AND ticket <> ALL({bigints(tickets)})) "
+            f"AND ticket <> ALL({given})) "
             f"FROM (SELECT owner, ticket FROM {self.table_text} WHERE lock = l "
-            f"AND ticket <> ALL({bigints(tickets)}) "
+            f"AND ticket <> ALL({given}) "
             f"AND seen > clock_timestamp() - {self.lease_text}::interval "
             f"ORDER BY ticket LIMIT 2) f) o(owner, ticket, h, lo, hi, first, head)"
         )
@@ -243,12 +244,12 @@ class TicketSql:
         holds their owner locks), and this process's rows no call holds; refresh the others,
         returning their tickets.
 
-        A dead process's rows are skipped by verdicts at once, but a give-back's word names
-        the first tickets of the line, live or not: while two of them lead a line, no word
-        reaches the calls behind, which wait for their heartbeats until the rows are
-        cleared. Those of a process without its owner lock are kept for a lease: its ticket
-        connection may have broken, and a process that reconnects within it keeps its place
-        (one that comes back later takes new tickets, in the order of its calls)."""
+        A dead process's rows are skipped by verdicts at once, and by a give-back's word
+        once a lease old (see `give_back`); until they are cleared, each give-back on their
+        line also wakes the process of the first fresh ticket behind them. Those of a
+        process without its owner lock are kept for a lease: its ticket connection may have
+        broken, and a process that reconnects within it keeps its place (one that comes back
+        later takes new tickets, in the order of its calls)."""
         high, low = owner_lock(self.owner_id)
         return sql.SQL(
             "SELECT pg_try_advisory_lock({high}, {low}) WHERE NOT EXISTS (SELECT 1 FROM pg_locks "
