@@ -76,34 +76,80 @@ async def words_of_a_give_back(
     in a transaction, as its commit does. What each process's channel heard, and the rows of
     the tell (its own share). The processes named in ``stopped`` last beat their heartbeats
     a lease and a half ago: their tickets are no longer live."""
+    heard, rows = await words_of_give_backs(postgres_dsn, line, [0], stopped)
+    return heard, rows[0]
+
+
+async def words_of_give_backs(
+    postgres_dsn: str, line: str, givers: list[int], stopped: str = ""
+) -> tuple[dict[str, list[str]], list[list[tuple[Any, ...]]]]:
+    """As `words_of_a_give_back`, with the tickets at the places ``givers`` of ``line`` (from
+    0) given back by their processes at once: each giver's transaction sends its statements
+    before the one before it commits (unless they wait for it: then they are sent, and it
+    commits meanwhile). What each process's channel heard, and each tell's rows."""
     owners = {name: new_owner() for name in sorted(set(line))}
     key = lock_id("t", "k")
     tickets = {name: TicketSql("fences", None, 10.0, owner) for name, owner in owners.items()}
     connect = functools.partial(psycopg.AsyncConnection.connect, postgres_dsn, autocommit=True)
-    async with await connect() as giver:
-        await ensure_sequence(giver, "fences", None)
-        await ensure_ticket_table(giver, "fences", None)
-        await giver.execute(
+    async with await connect() as setup:
+        await ensure_sequence(setup, "fences", None)
+        await ensure_ticket_table(setup, "fences", None)
+        await setup.execute(
             "INSERT INTO fences_tq SELECT %s, 99 + n, owner, now() - age * interval '1 second' "
             "FROM unnest(%s::bigint[], %s::float8[]) WITH ORDINALITY AS o(owner, age, n)",
             (key, [owners[name] for name in line], [15.0 if n in stopped else 0.0 for n in line]),
         )
-        listeners = {name: await connect() for name in owners}  # each process's desk
-        try:
-            for name, listener in listeners.items():
-                channel = sql.Identifier(tickets[name].channel)
-                await listener.execute(sql.SQL("LISTEN {}").format(channel))
+    listeners = {name: await connect() for name in owners}  # each process's desk
+    giving = [await connect() for _ in givers]  # each giver's connection for its commit
+    try:
+        for name, listener in listeners.items():
+            channel = sql.Identifier(tickets[name].channel)
+            await listener.execute(sql.SQL("LISTEN {}").format(channel))
+        sent: list[asyncio.Task[list[tuple[Any, ...]]]] = []
+        for place, giver in zip(givers, giving, strict=True):
             await giver.execute("BEGIN")
-            cursor = await giver.execute(query(tickets[line[0]].give_back([100], [key])))
-            rows = list(await cursor.fetchall())
+            statements = tickets[line[place]].give_back([100 + place], [key])
+            sent.append(asyncio.create_task(_told(giver, query(statements))))
+            await _sent_or_waiting(postgres_dsn, sent[-1], giver)
+        rows: list[list[tuple[Any, ...]]] = []
+        for giver, sending in zip(giving, sent, strict=True):
+            rows.append(await asyncio.wait_for(sending, 10))
             await giver.execute("COMMIT")
-            heard: dict[str, list[str]] = {}
-            for name, listener in listeners.items():
-                heard[name] = [n.payload async for n in listener.notifies(timeout=0.5)]
-        finally:
-            for listener in listeners.values():
-                await listener.close()
+        heard: dict[str, list[str]] = {}
+        for name, listener in listeners.items():
+            heard[name] = [n.payload async for n in listener.notifies(timeout=0.5)]
+    finally:
+        for connection in [*listeners.values(), *giving]:
+            await connection.close()
     return heard, rows
+
+
+async def _told(connection: psycopg.AsyncConnection[Any], statements: sql.SQL) -> list[Any]:
+    """Send the statements of a give-back; the rows of its tell (the next-to-last)."""
+    cursor = await connection.execute(statements)
+    results: list[list[Any]] = []
+    while True:
+        results.append(list(await cursor.fetchall()) if cursor.description else [])
+        if not cursor.nextset():
+            return results[-2]
+
+
+async def _sent_or_waiting(
+    postgres_dsn: str, sending: asyncio.Task[Any], giver: psycopg.AsyncConnection[Any]
+) -> None:
+    """Wait until ``sending`` is done, or ``giver``'s session waits for a lock."""
+    pid = giver.info.backend_pid
+    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as watcher:
+        for _ in range(2000):
+            if sending.done():
+                return
+            cursor = await watcher.execute(
+                "SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted", (pid,)
+            )
+            if await cursor.fetchone() is not None:
+                return
+            await asyncio.sleep(0.005)
+    raise AssertionError("a give-back neither ended nor waited for a lock")
 
 
 def counted(target: object, name: str) -> list[int]:

@@ -348,7 +348,7 @@ async def test_a_process_finds_its_own_tickets_without_reading_every_waiting_cal
                 if "owner = " in statement
             ),
         ]
-        assert len(statements) == 6
+        assert len(statements) == 7
         for statement in statements:
             explain = sql.SQL("EXPLAIN (FORMAT JSON) " + statement)  # pyright: ignore[reportArgumentType]
             cursor = await conn.execute(explain)

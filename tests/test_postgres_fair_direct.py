@@ -23,6 +23,7 @@ from .fair_lines import (
     until_waiting_in_server,
     waiting_in_server,
     words_of_a_give_back,
+    words_of_give_backs,
 )
 from .redis_helpers import until
 from .turn_notes import TurnNotes
@@ -184,6 +185,20 @@ async def test_a_commit_tells_the_tickets_next_in_line_past_those_of_a_stopped_p
     heard, _ = await words_of_a_give_back(postgres_dsn, "asscd", stopped="s")
     key = lock_id("t", "k")
     assert heard == {"a": [], "c": [f"{key}:103"], "d": [f"{key}:104"], "s": []}
+
+
+async def test_two_give_backs_at_once_on_one_line_tell_the_ticket_that_becomes_second(
+    postgres_dsn: str,
+) -> None:
+    # a gives 100 back in its commit while s gives 102 back (its call was cancelled, or it
+    # takes a new ticket): a's 101 is then first and q's 103 second. Each tell alone sees the
+    # other's ticket still there (a's: 101 and 102; s's: 100 and 101, both a's), so neither
+    # would name 103, and q would wait for its heartbeat. The tells of one line take turns:
+    # the later one sees the line the earlier one left, and q is woken.
+    heard, _ = await words_of_give_backs(postgres_dsn, "aasqq", givers=[0, 2])
+    key = lock_id("t", "k")
+    assert f"{key}:103" in heard["q"]
+    assert heard["a"] == []
 
 
 async def test_tickets_registered_together_follow_each_other_without_asking_again(

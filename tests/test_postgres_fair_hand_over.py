@@ -15,6 +15,7 @@ import pytest
 from keyserial import current_fence
 from keyserial.postgres import CommitInDoubt, PostgresKeyedQueue, connection, lock_id
 from keyserial.postgres._desk import EarlyTurn
+from keyserial.postgres._early import Closing
 from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
 from keyserial.postgres._sql_text import query
 from keyserial.postgres._tickets import TicketSql, new_owner
@@ -45,13 +46,9 @@ def _after_a_hand_over(queue: PostgresKeyedQueue, act: Callable[[EarlyTurn], Non
     early = queue._turns.early  # pyright: ignore[reportPrivateUsage]
     closed = early.closed
 
-    def closed_then_act(
-        turn: PgTurn,
-        follower: EarlyTurn | None,
-        told: list[Any],
-        last: tuple[Any, ...] | None,
-    ) -> PgTurn | None:
-        handed = closed(turn, follower, told, last)
+    def closed_then_act(turn: PgTurn, closing: Closing, results: list[list[Any]]) -> PgTurn | None:
+        handed = closed(turn, closing, results)
+        follower = closing.follower
         if handed is not None and follower is not None:
             early.closed = closed  # type: ignore[method-assign]
             act(follower)

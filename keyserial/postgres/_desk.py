@@ -21,7 +21,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from ._errors import PostgresUnavailable, SetupRequired
 from ._setup import ensure_sequence, ensure_ticket_table
-from ._sql_text import query
+from ._sql_text import every_result, query
 from ._tickets import TicketSql, new_owner, owner_lock
 from ._turn import PgTurn
 
@@ -373,7 +373,7 @@ class TicketDesk:
             return
         try:
             cursor = await connection.execute(query(statements))
-            results = await _results(cursor)
+            results = await every_result(cursor)
         except (psycopg.OperationalError, psycopg.InterfaceError):
             self._sent()
             self.unregistered[:0] = registering  # asked again on the next connection
@@ -453,7 +453,7 @@ class TicketDesk:
     async def _heartbeat(self, connection: AsyncConnection[Any]) -> None:
         mine = [e.ticket for e in self.live.values() if e.ticket is not None]
         cursor = await connection.execute(self.sql.heartbeat(mine))
-        kept = {int(row[0]) for row in (await _results(cursor))[-1]}
+        kept = {int(row[0]) for row in (await every_result(cursor))[-1]}
         for early in list(self.live.values()):
             if early.ticket is not None and not early.begun and early.ticket not in kept:
                 self.register_again(early)
@@ -502,14 +502,16 @@ def _batch(
         # One transaction: tickets given back and new ones, committed before any verdict.
         statements.append("BEGIN")
         kinds.append("begun")
+    given = sorted({lock for held in giving.values() for lock in held})
+    # Every line's registration lock at once, in order: two batches never wait for each other
+    # in a cycle.
+    locking = tickets.registering(given + [lock for early in registering for lock in early.keys])
+    statements += locking
+    kinds += ["locked"] * len(locking)
     if giving:
-        locks = sorted({lock for held in giving.values() for lock in held})
-        statements += tickets.give_back(list(giving), locks)
+        statements += [tickets.tell(list(giving), given), tickets.delete(list(giving))]
         kinds += ["told", "given back"]
     if registering:
-        locking = tickets.registering([lock for early in registering for lock in early.keys])
-        statements += locking
-        kinds += ["locked"] * len(locking)
         statements += [tickets.register(list(early.keys)) for early in registering]
         kinds += ["registered"] * len(registering)
     if giving or registering:
@@ -552,16 +554,6 @@ def _one_same_key(ahead: EarlyTurn, early: EarlyTurn) -> bool:
     """Whether ``early``, registered right after ``ahead`` in one batch, follows it on its
     line: both have one key, the same."""
     return len(early.keys) == 1 and early.keys.keys() == ahead.keys.keys()
-
-
-async def _results(cursor: psycopg.AsyncCursor[Any]) -> list[list[Any]]:
-    """The rows of every statement of a multi-statement query, in order (none for those
-    without rows)."""
-    results: list[list[Any]] = []
-    while True:
-        results.append(list(await cursor.fetchall()) if cursor.description else [])
-        if not cursor.nextset():
-            return results
 
 
 async def _close(connection: AsyncConnection[Any]) -> None:

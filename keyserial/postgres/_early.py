@@ -69,7 +69,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Awaitable, Callable, Hashable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from psycopg_pool import AsyncConnectionPool
 
@@ -80,6 +80,16 @@ from ._statements import TurnSql
 from ._turn import PgTurn
 
 Task = asyncio.Task[Any]
+
+
+class Closing(NamedTuple):
+    """The statements of a fair-mode turn's commit (see `EarlyTurns.closing`)."""
+
+    statements: list[str]
+    #: The turn they begin right after the COMMIT (`EarlyTurns.hand_over`), if any.
+    follower: EarlyTurn | None
+    #: The place among them of the tell whose rows are this process's share, if it tells.
+    told_at: int | None
 
 
 class EarlyTurns:
@@ -254,49 +264,49 @@ class EarlyTurns:
         await ahead.ended.wait()  # its commit may have begun this turn (`hand_over`)
         return early.ticket == ticket and early.behind is ahead
 
-    def closing(
-        self, turn: PgTurn, early: EarlyTurn | None, server_version: int
-    ) -> tuple[list[str], EarlyTurn | None]:
+    def closing(self, turn: PgTurn, early: EarlyTurn | None, server_version: int) -> Closing:
         """The statements of ``turn``'s commit (``early``: its call's), and the turn they begin
         right after the COMMIT, if any (`hand_over`).
 
         A ticket's commit gives the ticket back and tells its line (`TicketSql.give_back`),
-        unless no one needs telling (`quiet`).
+        unless no one needs telling (`quiet`): then it only deletes the ticket's rows.
         """
         if turn.ticket is None:
-            return ["COMMIT"], None
+            return Closing(["COMMIT"], None, None)
         tickets, locks = [turn.ticket], sorted(turn.keys)
         sql = self.desk.sql
         # A turn whose task locked more keys in it (a nested call) holds more than its line.
         alone = early if early is not None and turn.keys == set(early.keys) else None
-        statements = [] if self.quiet(alone) else [sql.tell(tickets, locks)]
-        statements += [sql.delete(tickets), "COMMIT"]
+        told_at = None
+        if self.quiet(alone):
+            statements = [sql.delete(tickets)]
+        else:
+            statements = sql.give_back(tickets, locks)
+            told_at = len(statements) - 2  # the tell: see `TicketSql.give_back`
+        statements.append("COMMIT")
         follower = self.hand_over(alone)
         if follower is not None:
             statements += self.turn_sql.tried(
                 sorted(follower.keys), server_version, follower.ticket or 0
             )
-        return statements, follower
+        return Closing(statements, follower, told_at)
 
-    def closed(
-        self,
-        turn: PgTurn,
-        follower: EarlyTurn | None,
-        told: list[Any],
-        last: tuple[Any, ...] | None,
-    ) -> PgTurn | None:
-        """``turn`` committed, with the statements of `closing`: ``told`` holds the rows of
-        its tell, ``last`` the fence row of ``follower``'s turn. The turn handed over to
-        ``follower`` on ``turn``'s connection, or None (if ``follower`` is not None, its
-        transaction, begun without the locks or no longer wanted, is to be rolled back)."""
+    def closed(self, turn: PgTurn, closing: Closing, results: list[list[Any]]) -> PgTurn | None:
+        """``turn`` committed, with the statements of ``closing``, which gave ``results`` (each
+        statement's rows). The turn handed over to ``closing``'s follower on ``turn``'s
+        connection, or None (if there is a follower, its transaction, begun without the
+        locks or no longer wanted, is to be rolled back)."""
         if turn.ticket is not None:
             turn.ticket = None  # given back
-            self.desk.moved(told)
+            if closing.told_at is not None:
+                self.desk.moved(results[closing.told_at])
+        follower = closing.follower
         if follower is None:
             return None
         handed = None
-        if last is not None and last[-1] is not None:  # the follower holds its locks
-            handed = PgTurn(turn.connection, int(last[-1]), set(follower.keys), follower.ticket)
+        fence = results[-1][0][-1] if results[-1] else None
+        if fence is not None:  # the follower holds its locks
+            handed = PgTurn(turn.connection, int(fence), set(follower.keys), follower.ticket)
         return handed if self.handed(follower, handed) else None
 
     def quiet(self, early: EarlyTurn | None) -> bool:

@@ -1,4 +1,4 @@
-"""SQL put together as text, for the statements a turn sends each time.
+"""SQL put together as text, for the statements a turn sends each time, and their rows.
 
 They are sent on every turn, so they are put together as plain text, from integers and from
 names and literals that psycopg rendered once (`rendered`), rather than composed with
@@ -8,7 +8,9 @@ names and literals that psycopg rendered once (`rendered`), rather than composed
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+import psycopg
 from psycopg import sql
 
 
@@ -30,3 +32,13 @@ def query(statements: Iterable[str]) -> sql.SQL:
     """
     # psycopg types the text of sql.SQL as a LiteralString, which this text is made of.
     return sql.SQL("; ".join(statements))  # pyright: ignore[reportArgumentType]
+
+
+async def every_result(cursor: psycopg.AsyncCursor[Any]) -> list[list[Any]]:
+    """The rows of every statement of a `query` of several statements, in order (none for
+    those without rows)."""
+    results: list[list[Any]] = []
+    while True:
+        results.append(list(await cursor.fetchall()) if cursor.description else [])
+        if not cursor.nextset():
+            return results

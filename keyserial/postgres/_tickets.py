@@ -7,8 +7,9 @@ advisory lock tell the server's state to the verdicts (see ``_early``):
   keys' locks, so ``pg_locks`` shows it in the server's queue;
 * a process's ticket connection holds a two-int *owner lock* (first int always negative) for
   its session's life, so ``pg_locks`` shows the process alive;
-* a registration takes each key's *registration lock* (a bigint) for its transaction, so the
-  registrations on one key commit in the order their tickets were drawn.
+* a registration, or a give-back that tells a line, takes each key's *registration lock* (a
+  bigint) for its transaction, so the registrations on one key commit in the order their
+  tickets were drawn, and each tell sees the line as the give-backs before it left it.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ class TicketSql:
         """Take the registration locks of ``locks``' lines, in order, for the transaction.
 
         Registrations on one line then commit in the order their tickets were drawn, so a
-        verdict asked after a registration's commit sees every smaller ticket of the line.
+        verdict asked after a registration's commit sees every smaller ticket of the line;
+        and a tell (see `give_back`) sees every registration and give-back committed before.
         """
         return [
             f"SELECT pg_advisory_xact_lock({registration_lock(lock)})"
@@ -203,15 +205,21 @@ class TicketSql:
           it, or it is asked once the first is given back: that process gives it back, and
           hears its own word).
 
-        This process's own share comes back as the first statement's rows
-        ``(lock, ticket, _, true)`` (see `TicketDesk.moved`). A ticket named that is dead
+        The tell first takes the lines' registration locks (see `registering`): the tells
+        and registrations of a line take turns, so each tell sees the line as the one before
+        left it. Two give-backs at once would otherwise each see the other's ticket still
+        there, and neither would name the ticket that both together make second.
+
+        This process's own share comes back as the tell's rows ``(lock, ticket, _, true)``
+        (see `TicketDesk.moved`): the next-to-last statement's. A ticket named that is dead
         leaves the line to the heartbeat, which asks every parked call (and clears a dead
         process's rows once a lease old).
         """
-        return [self.tell(tickets, locks), self.delete(tickets)]
+        return [*self.registering(locks), self.tell(tickets, locks), self.delete(tickets)]
 
     def tell(self, tickets: list[int], locks: list[int]) -> str:
-        """The first statement of `give_back`."""
+        """The statement of `give_back` that tells the lines, once it holds their
+        registration locks."""
         given = bigints(tickets)
         return (
             # Of the first two fresh tickets left, the second's row notifies its process when
@@ -231,7 +239,7 @@ class TicketSql:
         )
 
     def delete(self, tickets: list[int]) -> str:
-        """The second statement of `give_back`."""
+        """The last statement of `give_back`."""
         return (
             f"DELETE FROM {self.table_text} "
             f"WHERE owner = {self.owner_id} AND ticket = ANY({bigints(tickets)})"

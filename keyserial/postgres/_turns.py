@@ -35,7 +35,7 @@ from ._errors import (
     naming,
 )
 from ._setup import ensure_sequence, ensure_ticket_table, sequence
-from ._sql_text import query
+from ._sql_text import every_result, query
 from ._statements import TurnSql, milliseconds
 from ._turn import PgTurn, SessionKeeper
 
@@ -336,13 +336,10 @@ class PostgresTurns:
             if stalled:
                 raise _lease_expired("before its commit")
             raise PostgresUnavailable("the turn's connection was lost before its commit")
-        statements, follower = self.early.closing(turn, early, connection.info.server_version)
+        closing = self.early.closing(turn, early, connection.info.server_version)
+        follower = closing.follower
         try:
-            cursor = await connection.execute(query(statements))
-            told = list(await cursor.fetchall()) if cursor.description else []
-            while cursor.nextset():
-                pass
-            last = await cursor.fetchone() if follower is not None else None
+            results = await every_result(await connection.execute(query(closing.statements)))
         except BaseException as exc:
             if follower is not None:
                 self.early.handed(follower, None)
@@ -351,7 +348,7 @@ class PostgresTurns:
             if error is exc:
                 raise
             raise error from exc
-        if self.early.closed(turn, follower, told, last) is not None:
+        if self.early.closed(turn, closing, results) is not None:
             self._watch(connection)  # it holds the follower's turn now
             return
         if follower is not None:  # its transaction began without the locks
