@@ -53,8 +53,9 @@ LIBRARIES = (
     "keyserial RedisKeyedQueue",
 )
 POSTGRES = LIBRARIES[:2]
-#: Calls each process keeps queued at once in the queued hand-off run.
-QUEUED = 8
+#: Calls each process keeps queued at once in the queued hand-off runs: a short queue, where
+#: fair mode's run of a process's calls is two turns long, and a long one.
+QUEUED = (2, 8)
 #: Calls of another process waiting on other keys in fair mode's third hand-off run.
 ELSEWHERE = 5000
 #: The Redis server of the run (the Redis backend's column), set by main().
@@ -325,7 +326,9 @@ def main() -> int:
                 round_trips[library] = _count_round_trips(trace) / calls
         samples: dict[str, list[float]] = {library: [] for library in LIBRARIES}
         rates: dict[str, list[HandOff]] = {library: [] for library in LIBRARIES}
-        queued_rates: dict[str, list[HandOff]] = {library: [] for library in POSTGRES}
+        queued_rates: dict[tuple[int, str], list[HandOff]] = {
+            (depth, library): [] for depth in QUEUED for library in POSTGRES
+        }
         elsewhere_rates: list[HandOff] = []
         for _ in range(repeats):
             for library in LIBRARIES:
@@ -333,8 +336,10 @@ def main() -> int:
                 samples[library].append(seconds / calls)
             for library in LIBRARIES:
                 rates[library].append(_hand_off(dsn, library, processes, turns))
-            for library in POSTGRES:
-                queued_rates[library].append(_hand_off(dsn, library, processes, turns, QUEUED))
+            for depth in QUEUED:
+                for library in POSTGRES:
+                    run = _hand_off(dsn, library, processes, turns, depth)
+                    queued_rates[depth, library].append(run)
             with _waiting_elsewhere(dsn, ELSEWHERE):
                 elsewhere_rates.append(_hand_off(dsn, LIBRARIES[1], processes, turns))
     finally:
@@ -347,15 +352,18 @@ def main() -> int:
             )
     latency = {library: statistics.median(values) for library, values in samples.items()}
     throughput = {library: _median_rate(runs) for library, runs in rates.items()}
-    queued = {library: _median_rate(runs) for library, runs in queued_rates.items()}
+    queued = {place: _median_rate(runs) for place, runs in queued_rates.items()}
     cpu = {library: _median_cpu(runs) for library, runs in rates.items()}
     elsewhere = _median_rate(elsewhere_rates)
     rows = {
         "uncontended µs/call": {n: f"{latency[n] * 1e6:,.0f}" for n in LIBRARIES},
         "round trips/call": {n: f"{round_trips[n]:.1f}" for n in LIBRARIES},
         "hand-off turns/s": {n: f"{throughput[n]:,.0f}" for n in LIBRARIES},
-        f"hand-off turns/s, {QUEUED} calls queued per process": {
-            n: f"{queued[n]:,.0f}" if n in POSTGRES else "" for n in LIBRARIES
+        **{
+            f"hand-off turns/s, {depth} calls queued per process": {
+                n: f"{queued[depth, n]:,.0f}" if n in POSTGRES else "" for n in LIBRARIES
+            }
+            for depth in QUEUED
         },
         f"hand-off turns/s, {ELSEWHERE:,} calls waiting on other keys": {
             n: f"{elsewhere:,.0f}" if n == LIBRARIES[1] else "" for n in LIBRARIES
@@ -379,6 +387,10 @@ def main() -> int:
             LIBRARIES[4]: "each process's next call",
         },
     }
+    ratios = " and ".join(
+        f"{queued[depth, LIBRARIES[1]] / queued[depth, LIBRARIES[0]]:.2f} with {depth}"
+        for depth in QUEUED
+    )
     lines = [
         f"Environment: {environment()}, PostgreSQL on loopback",
         "",  # separate paragraphs in Markdown
@@ -400,9 +412,9 @@ def main() -> int:
         "BEGIN, its settings, the lock and the fence in one round trip (one query), then the "
         "function's statement, then COMMIT. Fair mode ÷ default, hand-off turns/s: "
         f"{throughput[LIBRARIES[1]] / throughput[LIBRARIES[0]]:.2f} with one call per process "
-        f"at a time, {queued[LIBRARIES[1]] / queued[LIBRARIES[0]]:.2f} with {QUEUED} queued per "
-        "process (each process's first call on the key waits in the server, the others "
-        "with tickets). Machine CPU per hand-off turn: the busy time of every CPU (all "
+        f"at a time, {ratios} queued per process (fair mode's calls then wait with "
+        "tickets, and take the key in runs of one process's calls as long as its queue). "
+        "Machine CPU per hand-off turn: the busy time of every CPU (all "
         "processes and the server; from /proc/stat) from the first turn to the last of the "
         "one-call runs, per turn. "
         f"With {ELSEWHERE:,} calls waiting on other keys: the tickets of another process's "

@@ -44,8 +44,9 @@ LIBRARIES = (
 )
 KEYSERIAL = LIBRARIES[:2]
 OTHERS = LIBRARIES[2:]
-#: Calls each process keeps queued at once in the queued hand-off run.
-QUEUED = 8
+#: Calls each process keeps queued at once in the queued hand-off runs: a short queue and a
+#: long one.
+QUEUED = (2, 8)
 
 
 def start_server() -> tuple[subprocess.Popen[bytes], int, str]:
@@ -255,12 +256,15 @@ def main() -> int:
         moved = {library: statistics.median(values) for library, values in switched.items()}
         # The same, with every process keeping QUEUED calls waiting: in the default mode one
         # of them waits in Redis per process, in fair mode every one holds a ticket there.
-        queued_rates: dict[str, list[float]] = {library: [] for library in KEYSERIAL}
+        queued_rates: dict[tuple[int, str], list[float]] = {
+            (depth, library): [] for depth in QUEUED for library in KEYSERIAL
+        }
         for _ in range(repeats):
-            for library in KEYSERIAL:
-                elapsed, _ = _hand_off(library, port, processes, turns, QUEUED)
-                queued_rates[library].append(processes * turns / elapsed)
-        queued_throughput = {name: statistics.median(v) for name, v in queued_rates.items()}
+            for depth in QUEUED:
+                for library in KEYSERIAL:
+                    elapsed, _ = _hand_off(library, port, processes, turns, depth)
+                    queued_rates[depth, library].append(processes * turns / elapsed)
+        queued_throughput = {place: statistics.median(v) for place, v in queued_rates.items()}
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=10)
@@ -285,8 +289,12 @@ def main() -> int:
         "hand-off turns/s": {n: f"{throughput[n]:,.0f}" for n in LIBRARIES},
         "turns to another process": {n: f"{moved[n]:.0%}" for n in LIBRARIES},
         "commands/hand-off": {n: f"{hand_off_commands[n]:.1f}" for n in LIBRARIES},
-        f"hand-off turns/s, {QUEUED} calls queued per process": {
-            n: f"{queued_throughput[n]:,.0f}" if n in KEYSERIAL else "" for n in LIBRARIES
+        **{
+            f"hand-off turns/s, {depth} calls queued per process": {
+                n: f"{queued_throughput[depth, n]:,.0f}" if n in KEYSERIAL else ""
+                for n in LIBRARIES
+            }
+            for depth in QUEUED
         },
         "order across processes": {
             LIBRARIES[0]: "each process's next call",
@@ -307,11 +315,15 @@ def main() -> int:
         "run made while MONITOR runs, polling included."
     )
     fair_cost = throughput[LIBRARIES[1]] / throughput[LIBRARIES[0]]
-    fair_queued = queued_throughput[LIBRARIES[1]] / queued_throughput[LIBRARIES[0]]
+    fair_queued = " and ".join(
+        f"{queued_throughput[depth, LIBRARIES[1]] / queued_throughput[depth, LIBRARIES[0]]:.2f}"
+        f" with {depth}"
+        for depth in QUEUED
+    )
     lines.append(
         f"Fair mode ÷ default, hand-off turns/s: {fair_cost:.2f} with one call per process at "
-        f"a time, {fair_queued:.2f} with {QUEUED} queued per process (every one of them "
-        "holds a ticket in Redis, and keeps it alive while it waits)."
+        f"a time, {fair_queued} queued per process (every one of them holds a ticket in "
+        "Redis, and keeps it alive while it waits)."
     )
     lines.append(
         f"Hand-off throughput of keyserial ÷ the best other: {ratio:.2f} "
