@@ -15,7 +15,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from keyserial.postgres import PostgresKeyedQueue, lock_id
 from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
-from keyserial.postgres._sql_text import query
+from keyserial.postgres._sql_text import every_result, query
 from keyserial.postgres._tickets import TicketSql, new_owner
 
 from .redis_helpers import until
@@ -84,9 +84,9 @@ async def words_of_give_backs(
     postgres_dsn: str, line: str, givers: list[int], stopped: str = ""
 ) -> tuple[dict[str, list[str]], list[list[tuple[Any, ...]]]]:
     """As `words_of_a_give_back`, with the tickets at the places ``givers`` of ``line`` (from
-    0) given back by their processes at once: each giver's transaction sends its statements
-    before the one before it commits (unless they wait for it: then they are sent, and it
-    commits meanwhile). What each process's channel heard, and each tell's rows."""
+    0) given back by their processes at once: each giver sends its statements before any
+    giver commits, and is left waiting if they wait for a lock an earlier giver holds; then
+    the givers commit, in order. What each process's channel heard, and each tell's rows."""
     owners = {name: new_owner() for name in sorted(set(line))}
     key = lock_id("t", "k")
     tickets = {name: TicketSql("fences", None, 10.0, owner) for name, owner in owners.items()}
@@ -126,12 +126,7 @@ async def words_of_give_backs(
 
 async def _told(connection: psycopg.AsyncConnection[Any], statements: sql.SQL) -> list[Any]:
     """Send the statements of a give-back; the rows of its tell (the next-to-last)."""
-    cursor = await connection.execute(statements)
-    results: list[list[Any]] = []
-    while True:
-        results.append(list(await cursor.fetchall()) if cursor.description else [])
-        if not cursor.nextset():
-            return results[-2]
+    return (await every_result(await connection.execute(statements)))[-2]
 
 
 async def _sent_or_waiting(

@@ -12,6 +12,8 @@ from collections.abc import Hashable, Mapping
 import pytest
 
 from keyserial.postgres import PostgresKeyedQueue, lock_id
+from keyserial.postgres._desk import EarlyTurn, _batch  # pyright: ignore[reportPrivateUsage]
+from keyserial.postgres._tickets import TicketSql, new_owner
 from keyserial.postgres._turn import PgTurn
 
 from .conftest import Pools
@@ -199,6 +201,19 @@ async def test_two_give_backs_at_once_on_one_line_tell_the_ticket_that_becomes_s
     key = lock_id("t", "k")
     assert f"{key}:103" in heard["q"]
     assert heard["a"] == []
+
+
+async def test_a_desk_s_give_back_tells_the_line_once_it_holds_its_registration_lock() -> None:
+    # A ticket the desk gives back (its call was cancelled, or it takes a new one) tells its
+    # line as a commit does, once it holds the line's registration lock. The batch takes it
+    # with those of the lines it registers on, in one order: two batches never wait for
+    # each other in a cycle.
+    tickets = TicketSql("fences", None, 10.0, new_owner())
+    given, registered = lock_id("t", "given"), lock_id("t", "registered")
+    early = EarlyTurn({registered: "registered"}, 0)
+    statements, _ = _batch(tickets, {100: (given,)}, [early], [])
+    told = statements.index(tickets.tell([100], [given]))
+    assert statements[:told] == ["BEGIN", *tickets.registering([given, registered])]
 
 
 async def test_tickets_registered_together_follow_each_other_without_asking_again(
