@@ -169,15 +169,19 @@ async def test_tickets_lost_while_waiting_are_taken_again_in_call_order(pools: P
     await until_tickets(watcher, 2)
     calls += [asyncio.create_task(a.run("k", notes.note, name)) for name in ("a1", "a2")]
     await until_tickets(watcher, 4)
-    # a's next heartbeat, which finds its tickets gone, waits until b1 has registered.
-    beat_again = asyncio.Event()
+    # a's next heartbeat, which finds its tickets gone, waits until b1 has registered. The
+    # tickets go once a's desk waits in it: a heartbeat already on its way would find them
+    # gone, and a1 and a2 would register again before b1.
+    beat_again, holding = asyncio.Event(), asyncio.Event()
     heartbeat = a._turns.early.desk._heartbeat  # pyright: ignore[reportPrivateUsage]
 
     async def held_heartbeat(connection: Any) -> None:
+        holding.set()
         await beat_again.wait()
         await heartbeat(connection)
 
     a._turns.early.desk._heartbeat = held_heartbeat  # type: ignore[method-assign]
+    await asyncio.wait_for(holding.wait(), 10)
     async with watcher.connection() as conn:  # what another process's heartbeat does
         await conn.execute(
             "DELETE FROM keyserial_fences_tq WHERE ticket IN "
