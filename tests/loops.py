@@ -3,11 +3,16 @@
 ``pytest_asyncio_loop_factories`` in ``conftest.py`` parametrizes each async test over
 ``LOOP_FACTORIES``; tests that start loops themselves (``asyncio.run`` style) take the
 ``loop_factory`` fixture and use :func:`run_on`.
+
+``KEYSERIAL_TEST_LOOPS`` (names separated by commas, such as ``default,uvloop``) keeps only
+the named setups of those this Python has: CI runs every setup on its newest Python and the
+default loop on the others, to stay within its time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -34,7 +39,17 @@ def _factories() -> dict[str, LoopFactory]:
         pass
     else:
         factories["uvloop"] = uvloop.new_event_loop
-    return factories
+    wanted = os.environ.get("KEYSERIAL_TEST_LOOPS")
+    if wanted is None:
+        return factories
+    names = [name.strip() for name in wanted.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ("default", "eager", "uvloop")]
+    if unknown or "default" not in names:
+        raise ValueError(
+            f"KEYSERIAL_TEST_LOOPS={wanted!r}: name loop setups among default, eager and "
+            "uvloop, default among them (the fair-mode tests run on it)"
+        )
+    return {name: factory for name, factory in factories.items() if name in names}
 
 
 LOOP_FACTORIES = _factories()
