@@ -224,18 +224,20 @@ class TicketSql:
         return (
             # Of the first two fresh tickets left, the second's row notifies its process when
             # the two have two owners; the first's, when older rows are ahead of it.
+            # The line's first row, fresh or not (``head``), is looked up once per line.
             f"SELECT l, o.h, CASE WHEN o.owner <> {self.owner_id} AND ((o.ticket = o.h "
-            f"AND o.lo <> o.hi) OR (o.ticket = o.first AND o.first > o.head)) THEN pg_notify("
+            f"AND o.lo <> o.hi) OR (o.ticket = o.first AND o.first > r.head)) THEN pg_notify("
             f"{self.channels_text} || lpad(to_hex(o.owner), 16, '0'), l || ':' || o.ticket) "
             f"END, o.owner = {self.owner_id} "
-            f"FROM unnest({bigints(locks)}) l, LATERAL (SELECT owner, ticket, "
-            f"max(ticket) OVER (), min(owner) OVER (), max(owner) OVER (), min(ticket) OVER (), "
-            f"(SELECT min(ticket) FROM {self.table_text} WHERE lock = l "
-            f"AND ticket <> ALL({given})) "
+            f"FROM unnest({bigints(locks)}) l, "
+            f"LATERAL (SELECT min(ticket) FROM {self.table_text} WHERE lock = l "
+            f"AND ticket <> ALL({given})) r(head), "
+            f"LATERAL (SELECT owner, ticket, "
+            f"max(ticket) OVER (), min(owner) OVER (), max(owner) OVER (), min(ticket) OVER () "
             f"FROM (SELECT owner, ticket FROM {self.table_text} WHERE lock = l "
             f"AND ticket <> ALL({given}) "
             f"AND seen > clock_timestamp() - {self.lease_text}::interval "
-            f"ORDER BY ticket LIMIT 2) f) o(owner, ticket, h, lo, hi, first, head)"
+            f"ORDER BY ticket LIMIT 2) f) o(owner, ticket, h, lo, hi, first)"
         )
 
     def delete(self, tickets: list[int]) -> str:
