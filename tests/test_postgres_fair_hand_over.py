@@ -18,7 +18,7 @@ from keyserial.postgres._desk import EarlyTurn
 from keyserial.postgres._early import Closing
 from keyserial.postgres._setup import ensure_sequence, ensure_ticket_table
 from keyserial.postgres._sql_text import query
-from keyserial.postgres._tickets import TicketSql, new_owner
+from keyserial.postgres._tickets import TicketSql, new_owner, registration_lock
 from keyserial.postgres._turn import PgTurn
 from keyserial.postgres._turns import _commit_error  # pyright: ignore[reportPrivateUsage]
 
@@ -105,6 +105,43 @@ async def test_a_commit_tells_its_own_process_in_its_rows_not_by_notification(
     key = lock_id("t", "k")
     assert heard == {"a": [], "b": [f"{key}:102"]}
     assert [(row[0], row[1], row[3]) for row in rows] == [(key, 102, True), (key, 102, False)]
+
+
+@pytest.mark.parametrize("setting", ["lock_timeout", "statement_timeout"])
+async def test_a_ticket_s_commit_waits_for_its_line_whatever_timeout_the_function_set(
+    pools: Pools, setting: str
+) -> None:
+    # c0 waits with a ticket; its function writes, then sets a tiny timeout for the rest of
+    # its transaction. Its commit must take its line's registration lock to tell the line,
+    # and another transaction holds that lock for now: the commit waits for it rather than
+    # fail on the function's timeout, and the write is kept.
+    queue = PostgresKeyedQueue(await pools(), namespace="t", fair=True)
+    watcher = await pools(max_size=2)
+    notes = TurnNotes()
+    async with watcher.connection() as conn:
+        await conn.execute("CREATE TABLE written (name text)")
+
+    async def impatient() -> None:
+        await connection().execute("INSERT INTO written VALUES ('c0')")
+        await connection().execute("SELECT set_config(%s, '1ms', true)", (setting,))
+
+    holder = asyncio.create_task(queue.run("k", notes.hold))
+    await notes.until_holding()
+    call = asyncio.create_task(queue.run("k", impatient))
+    desk = queue._turns.early.desk  # pyright: ignore[reportPrivateUsage]
+    await until(lambda: desk.connection is not None and not desk.unregistered, "registered")
+    async with watcher.connection() as line:
+        await line.execute(
+            "SELECT pg_advisory_xact_lock(%s)", (registration_lock(lock_id("t", "k")),)
+        )
+        notes.release.set()
+        await until_waiting_in_server(watcher, 1)  # the commit, for the registration lock
+        await line.commit()
+    await asyncio.wait_for(asyncio.gather(holder, call), 10)
+    async with watcher.connection() as conn:
+        cursor = await conn.execute("SELECT name FROM written")
+        assert await cursor.fetchall() == [("c0",)]
+    await queue.aclose()
 
 
 async def test_a_turn_handed_over_but_never_taken_up_is_rolled_back(pools: Pools) -> None:

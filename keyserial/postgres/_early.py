@@ -77,6 +77,7 @@ from .._background import Background
 from ._desk import EarlyTurn, TicketDesk
 from ._errors import naming
 from ._statements import TurnSql
+from ._tickets import UNBOUNDED
 from ._turn import PgTurn
 
 Task = asyncio.Task[Any]
@@ -269,7 +270,8 @@ class EarlyTurns:
         right after the COMMIT, if any (`hand_over`).
 
         A ticket's commit gives the ticket back and tells its line (`TicketSql.give_back`),
-        unless no one needs telling (`quiet`): then it only deletes the ticket's rows.
+        unless no one needs telling (`quiet`): then it only deletes the ticket's rows. Either
+        way it first lifts any lock or statement timeout the function set (`UNBOUNDED`).
         """
         if turn.ticket is None:
             return Closing(["COMMIT"], None, None)
@@ -278,10 +280,11 @@ class EarlyTurns:
         # A turn whose task locked more keys in it (a nested call) holds more than its line.
         alone = early if early is not None and turn.keys == set(early.keys) else None
         told_at = None
+        statements = [UNBOUNDED]
         if self.quiet(alone):
-            statements = [sql.delete(tickets)]
+            statements.append(sql.delete(tickets))
         else:
-            statements = sql.give_back(tickets, locks)
+            statements += sql.give_back(tickets, locks)
             told_at = len(statements) - 2  # the tell: see `TicketSql.give_back`
         statements.append("COMMIT")
         follower = self.hand_over(alone)
