@@ -23,7 +23,13 @@ from keyserial.postgres._turn import PgTurn
 from keyserial.postgres._turns import _commit_error  # pyright: ignore[reportPrivateUsage]
 
 from .conftest import Pools
-from .fair_lines import behind_a_holder, counted, until_waiting_in_server, words_of_a_give_back
+from .fair_lines import (
+    behind_a_holder,
+    counted,
+    ticket_count,
+    until_waiting_in_server,
+    words_of_a_give_back,
+)
 from .redis_helpers import until
 from .turn_notes import TurnNotes
 
@@ -276,6 +282,30 @@ async def test_fair_turns_work_with_names_that_need_quoting(pools: Pools) -> Non
     assert await behind_a_holder(queue, notes, 3) == [None] * 3
     assert notes.order == ["hold", "c0", "c1", "c2"]
     await queue.aclose()
+
+
+@pytest.mark.parametrize("schema", ["public", None])
+async def test_a_function_that_points_search_path_elsewhere_leaves_the_commit_working(
+    pools: Pools, schema: str | None
+) -> None:
+    # A ticket's commit gives the ticket back after the function's statements, which here
+    # point search_path at a schema without the ticket table (as schema-per-tenant
+    # applications do): the commit names the table in full, whether the queue was made with
+    # schema= or found the table on the search path.
+    pool = await pools()
+    async with pool.connection() as conn:
+        await conn.execute("CREATE SCHEMA tenant")
+    queue = PostgresKeyedQueue(pool, namespace="t", schema=schema, fair=True)
+    notes = TurnNotes()
+
+    async def elsewhere(name: str) -> None:
+        notes.order.append(name)
+        await connection().execute("SET LOCAL search_path TO tenant")
+
+    assert await behind_a_holder(queue, notes, 3, elsewhere) == [None] * 3
+    assert notes.order == ["hold", "c0", "c1", "c2"]
+    await queue.aclose()
+    assert await ticket_count(pool) == 0
 
 
 async def test_turns_that_followed_each_other_leave_nothing_behind(pools: Pools) -> None:

@@ -20,7 +20,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from ._errors import PostgresUnavailable, SetupRequired
-from ._setup import ensure_sequence, ensure_ticket_table
+from ._setup import ensure_sequence, ensure_ticket_table, schema_of
 from ._sql_text import every_result, query
 from ._tickets import TicketSql, new_owner, owner_lock
 from ._turn import PgTurn
@@ -348,6 +348,10 @@ class TicketDesk:
         try:
             await ensure_sequence(connection, self.table, self.schema)
             await ensure_ticket_table(connection, self.table, self.schema)
+            if self.schema is None:
+                # Named in full from now on: a turn's commit gives its ticket back after the
+                # function's statements, which may point the search path elsewhere.
+                self.sql.locate(self.table, await schema_of(connection, self.table))
             await connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.sql.channel)))
             await connection.execute(self.sql.prepare())
             # Held for the session's life: the server drops it when the process dies.

@@ -280,6 +280,28 @@ async def _exists(connection: AsyncConnection[Any], name: sql.Identifier) -> boo
     return row is not None and row[0] is not None
 
 
+async def schema_of(connection: AsyncConnection[Any], table: str) -> str:
+    """The schema where ``connection``'s search path finds the ticket table of a fair queue
+    made with ``table=`` and no ``schema=``.
+
+    Raises:
+        SetupRequired: no schema on the search path holds it.
+    """
+    name = ticket_table(table, None)
+    found = await connection.execute(
+        "SELECT nspname FROM pg_namespace WHERE oid = "
+        "(SELECT relnamespace FROM pg_class WHERE oid = to_regclass(%s))",
+        (name.as_string(connection),),
+    )
+    row = await found.fetchone()
+    if row is None:
+        raise SetupRequired(
+            f"fair mode's ticket table {name.as_string(connection)} is on no schema of the "
+            "search path: run the setup step, or make the queue with schema="
+        )
+    return str(row[0])
+
+
 async def setup(
     conninfo: str,
     *,
