@@ -90,21 +90,22 @@ class TicketSql:
         # The same, as text, for the statements put together as text (see `_sql_text`).
         self.lease_text = rendered(self.lease)
         self.others_setting = rendered(sql.Literal(OTHERS_WAITING))
-        self.locate(table, schema)
-
-    def locate(self, table: str, schema: str | None) -> None:
-        """Name the queue's ticket table and sequence ``table`` in ``schema`` (None: on the
-        search path), and its LISTEN channels after them."""
-        self.table = ticket_table(table, schema)
-        self.sequence = sequence(table, schema)
         digest = hashlib.sha256(f"{schema}\0{table}".encode()).hexdigest()[:16]
         #: The LISTEN channels of the queue's table: one per process, named after its owner
         #: id (``to_hex`` in the server), so a commit wakes only the processes it concerns.
+        #: Named after the queue's ``table=`` and ``schema=`` as given.
         self.channels = f"keyserial_{digest}_"
-        self.channel = f"{self.channels}{self.owner_id & _LOW64:016x}"
+        self.channel = f"{self.channels}{owner & _LOW64:016x}"
+        self.channels_text = rendered(sql.Literal(self.channels))
+        self.locate(table, schema)
+
+    def locate(self, table: str, schema: str | None) -> None:
+        """Name the queue's ticket table and sequence ``table`` in ``schema`` (None: as the
+        search path finds them when each statement runs)."""
+        self.table = ticket_table(table, schema)
+        self.sequence = sequence(table, schema)
         self.table_text = rendered(self.table)
         self.sequence_text = rendered(sql.Literal(self.sequence.as_string(None)))
-        self.channels_text = rendered(sql.Literal(self.channels))
 
     def verdict(self, ticket: sql.Composable) -> sql.Composed:
         """An expression: ``ticket``'s verdict (the rules are in ``_early``'s docstring)."""
