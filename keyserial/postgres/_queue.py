@@ -69,7 +69,9 @@ class PostgresKeyedQueue:
             ``<table>_tq``, created on first use if missing (fences continue above those of
             a fence table of that name from an earlier version). At most 59 bytes, so that
             the sequence's name fits PostgreSQL's 63.
-        schema: the schema of the sequence (by default the connection's search path).
+        schema: the schema of the sequence and the ticket table (by default the
+            connection's search path; fair mode's statements that run after the function
+            name the schema where it found the ticket table first).
         fair: grant turns across processes in the order the calls registered their tickets
             (see above). Every process of one queue should use the same setting.
 
