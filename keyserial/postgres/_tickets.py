@@ -97,15 +97,15 @@ class TicketSql:
         self.channels = f"keyserial_{digest}_"
         self.channel = f"{self.channels}{owner & _LOW64:016x}"
         self.channels_text = rendered(sql.Literal(self.channels))
+        self.sequence = sequence(table, schema)
+        self.sequence_text = rendered(sql.Literal(self.sequence.as_string(None)))
         self.locate(table, schema)
 
     def locate(self, table: str, schema: str | None) -> None:
-        """Name the queue's ticket table and sequence ``table`` in ``schema`` (None: as the
-        search path finds them when each statement runs)."""
+        """Name the queue's ticket table ``table`` in ``schema`` (None: as the search path
+        finds it when each statement runs)."""
         self.table = ticket_table(table, schema)
-        self.sequence = sequence(table, schema)
         self.table_text = rendered(self.table)
-        self.sequence_text = rendered(sql.Literal(self.sequence.as_string(None)))
 
     def verdict(self, ticket: sql.Composable) -> sql.Composed:
         """An expression: ``ticket``'s verdict (the rules are in ``_early``'s docstring)."""
