@@ -16,6 +16,8 @@ from keyserial import current_fence
 from keyserial.postgres import PostgresKeyedQueue, TurnRolledBack, connection
 
 from .conftest import Pools
+from .fair_lines import ticket_count, until_tickets
+from .redis_helpers import until
 from .test_postgres_faults import holding
 
 # Every test runs in the default mode and in fair mode (the postgres_mode fixture).
@@ -99,3 +101,48 @@ async def test_a_caught_database_error_fails_the_turn_instead_of_losing_its_writ
     assert await _segments(pool) == {"a": "first"}
     stats = pool.get_stats()
     assert stats["pool_size"] == stats["pool_available"]  # every connection went back
+
+
+async def test_a_commit_refused_by_a_deferred_constraint_keeps_nothing_and_the_key_moves_on(
+    pools: Pools, postgres_mode: str
+) -> None:
+    # c0's writes break a deferred constraint: its COMMIT fails. In fair mode c0..c2 wait
+    # with tickets registered together, so c0's commit would begin c1's turn in the same
+    # round trip, after the COMMIT that fails. c0 gets the server's error and keeps nothing;
+    # c1 and c2 still run, in order, and nothing is left behind.
+    pool = await pools()
+    async with pool.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE segment (id text, text text NOT NULL, "
+            "UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)"
+        )
+    queue = PostgresKeyedQueue(pool, namespace="deferred")
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        order.append("hold")
+        await release.wait()
+
+    async def save(seg_id: str, text: str, times: int) -> None:
+        order.append(text)
+        for _ in range(times):
+            await connection().execute("INSERT INTO segment VALUES (%s, %s)", (seg_id, text))
+
+    holder = asyncio.create_task(queue.run("k", hold))
+    await until(lambda: order == ["hold"], "the holder starts")
+    saves = [("a", "twice", 2), ("b", "once", 1), ("c", "once more", 1)]
+    calls = [asyncio.create_task(queue.run("k", save, *args)) for args in saves]
+    if postgres_mode == "fair":
+        await until_tickets(pool, 3)
+    release.set()
+    outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+    await holder
+    assert isinstance(outcomes[0], psycopg.errors.UniqueViolation), outcomes
+    assert outcomes[1:] == [None, None]
+    assert order == ["hold", "twice", "once", "once more"]
+    assert await _segments(pool) == {"b": "once", "c": "once more"}
+    await queue.aclose()
+    stats = pool.get_stats()
+    assert stats["pool_size"] == stats["pool_available"]  # every connection went back
+    assert await ticket_count(pool) == 0
