@@ -146,3 +146,51 @@ async def test_a_commit_refused_by_a_deferred_constraint_keeps_nothing_and_the_k
     stats = pool.get_stats()
     assert stats["pool_size"] == stats["pool_available"]  # every connection went back
     assert await ticket_count(pool) == 0
+
+
+async def test_a_serialization_failure_reaches_the_caller_as_the_server_s_error(
+    pools: Pools, postgres_mode: str
+) -> None:
+    # Two turns on different keys, serializable, each reads what the other writes (a write
+    # skew), in this order: both read, doctor 1 writes, doctor 2 writes, doctor 1 commits,
+    # doctor 2 commits. One of them fails with the server's SerializationFailure, which an
+    # application retries as it would any such failure; it is not reported as an unreachable
+    # server, and the key moves on. In the default mode it is doctor 2's COMMIT. In fair
+    # mode the server may refuse doctor 1's write already: the direct turns' own read of
+    # the ticket table takes part in the server's checks too.
+    pool = await pools(kwargs={"options": "-c default_transaction_isolation=serializable"})
+    async with pool.connection() as conn:
+        await conn.execute("CREATE TABLE on_call (id int PRIMARY KEY, here boolean NOT NULL)")
+        await conn.execute("INSERT INTO on_call VALUES (1, true), (2, true)")
+        await conn.commit()
+    queue = PostgresKeyedQueue(pool, namespace="serializable")
+    steps = {name: asyncio.Event() for name in ("read 1", "read 2", "wrote 1", "wrote 2", "done 1")}
+
+    async def leave(doctor: int, after_read: str, after_write: str) -> None:
+        try:
+            await connection().execute("SELECT count(*) FROM on_call WHERE here")
+            steps[f"read {doctor}"].set()
+            await steps[after_read].wait()
+            await connection().execute("UPDATE on_call SET here = false WHERE id = %s", (doctor,))
+        finally:  # refused, it lets the other go on
+            steps[f"read {doctor}"].set()
+            steps[f"wrote {doctor}"].set()
+        await steps[after_write].wait()
+
+    first = asyncio.create_task(queue.run("doctor 1", leave, 1, "read 2", "wrote 2"))
+    await asyncio.wait_for(steps["read 1"].wait(), 10)
+    second = asyncio.create_task(queue.run("doctor 2", leave, 2, "wrote 1", "done 1"))
+    outcomes = [(await asyncio.gather(asyncio.wait_for(first, 10), return_exceptions=True))[0]]
+    steps["done 1"].set()
+    outcomes += await asyncio.gather(asyncio.wait_for(second, 10), return_exceptions=True)
+    refused = [n for n, outcome in enumerate(outcomes, 1) if outcome is not None]
+    assert len(refused) == 1, outcomes
+    assert isinstance(outcomes[refused[0] - 1], psycopg.errors.SerializationFailure), outcomes
+    if postgres_mode == "default":
+        assert refused == [2]
+    async with pool.connection() as conn:
+        cursor = await conn.execute("SELECT id FROM on_call WHERE here ORDER BY id")
+        assert await cursor.fetchall() == [(refused[0],)]  # its doctor stays on call
+        await conn.commit()
+    assert await queue.run(f"doctor {refused[0]}", asyncio.sleep, 0) is None  # it moves on
+    await queue.aclose()

@@ -576,6 +576,10 @@ def _commit_error(
         return _lease_expired(f"before its commit (the server said: {timed_out})")
     if not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
         return exc
+    if (exc.sqlstate or "").startswith("40"):
+        # The server refused the transaction (a serialization failure, a deadlock): its own
+        # error, which an application retries as it would any such failure; nothing was kept.
+        return exc
     if exc.sqlstate is not None or isinstance(exc, psycopg.InterfaceError):
         # The server answered with an error, or the connection was closed before the
         # COMMIT could be sent: it was not committed.
