@@ -192,5 +192,5 @@ async def test_a_serialization_failure_reaches_the_caller_as_the_server_s_error(
         cursor = await conn.execute("SELECT id FROM on_call WHERE here ORDER BY id")
         assert await cursor.fetchall() == [(refused[0],)]  # its doctor stays on call
         await conn.commit()
-    assert await queue.run(f"doctor {refused[0]}", asyncio.sleep, 0) is None  # it moves on
+    assert await queue.run(f"doctor {refused[0]}", asyncio.sleep, 0, "again") == "again"
     await queue.aclose()
