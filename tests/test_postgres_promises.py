@@ -194,3 +194,54 @@ async def test_a_serialization_failure_reaches_the_caller_as_the_server_s_error(
         await conn.commit()
     assert await queue.run(f"doctor {refused[0]}", asyncio.sleep, 0, "again") == "again"
     await queue.aclose()
+
+
+async def _waited_longer_than(pool: AsyncConnectionPool[Any], seconds: float) -> None:
+    """Wait until a statement of the test's database has waited for a lock for longer than
+    ``seconds`` (the server's clock); fail after ten seconds."""
+    for _ in range(1000):
+        async with pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' "
+                "AND clock_timestamp() - query_start > make_interval(secs => %s)",
+                (seconds,),
+            )
+            row = await cursor.fetchone()
+        if row is not None and row[0]:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no statement waited for a lock for {seconds} s")
+
+
+async def test_a_wait_for_the_key_outlasts_the_connection_s_statement_timeout(
+    pools: Pools,
+) -> None:
+    # The application's connections carry a statement_timeout; a call waits for its key
+    # for longer than that. Its wait is bounded by the call's own timeout alone (none
+    # here), and its function's statements run under the application's statement_timeout.
+    pool = await pools(kwargs={"options": "-c statement_timeout=100ms"})
+    watcher = await pools(max_size=1)
+    holding_queue = PostgresKeyedQueue(pool, namespace="bounded")
+    waiting_queue = PostgresKeyedQueue(pool, namespace="bounded")  # another process's
+    holding, release = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        holding.set()
+        await release.wait()
+
+    async def statement_timeout() -> str:
+        cursor = await connection().execute("SELECT current_setting('statement_timeout')")
+        row = await cursor.fetchone()
+        assert row is not None
+        return str(row[0])
+
+    holder = asyncio.create_task(holding_queue.run("k", hold))
+    await asyncio.wait_for(holding.wait(), 10)
+    waiter = asyncio.create_task(waiting_queue.run("k", statement_timeout))
+    await _waited_longer_than(watcher, 0.3)
+    release.set()
+    assert await asyncio.wait_for(waiter, 10) == "100ms"
+    await holder
+    await holding_queue.aclose()
+    await waiting_queue.aclose()

@@ -10,6 +10,14 @@ from ._tickets import OTHERS_WAITING, ticket_lock
 #: The first server version with ``client_connection_check_interval`` (PostgreSQL 14).
 _CHECKS_CLIENT = 140000
 _OTHERS = rendered(sql.Literal(OTHERS_WAITING))
+#: The turn keeps the connection's ``statement_timeout`` here while it waits for its locks
+#: without one, and gives it back to the function's statements after.
+_KEPT = "'keyserial.statement_timeout'"
+_UNBOUND_WAIT = [
+    f"SELECT set_config({_KEPT}, current_setting('statement_timeout'), true)",
+    "SELECT set_config('statement_timeout', '0', true)",
+]
+_BOUND_AGAIN = f"SELECT set_config('statement_timeout', current_setting({_KEPT}), true)"
 
 
 def milliseconds(seconds: float) -> str:
@@ -47,7 +55,9 @@ class TurnSql:
         others_waiting: str | None,
     ) -> list[str]:
         """The statements of BEGIN (if ``begin``), the turn's settings, the locks of
-        ``locks`` (ascending), the fence: the last statement's row holds the fence.
+        ``locks`` (ascending), the fence: the last statement's row holds the fence. The
+        locks are waited for without the connection's ``statement_timeout``, which the
+        function's statements then get back.
 
         A fair-mode ``ticket``'s try-lock comes before the keys' locks (see _early). With
         ``others_waiting`` (a direct turn), that statement runs first, the locks are taken
@@ -63,6 +73,10 @@ class TurnSql:
         statements = (
             ["BEGIN", f"SELECT {', '.join(settings)}"] if begin else [f"SELECT {settings[-1]}"]
         )
+        # The wait for the locks is bounded by the call's timeout (lock_timeout) alone: a
+        # statement_timeout the connection carries for the application's statements would
+        # end it as if the server had gone. The function's statements get it back.
+        statements += _UNBOUND_WAIT
         if ticket is not None:
             statements.append(
                 "SELECT pg_try_advisory_xact_lock({}, {})".format(*ticket_lock(ticket))
@@ -77,7 +91,7 @@ class TurnSql:
             fence = f"{fence}, current_setting({_OTHERS})"
         else:
             statements += [f"SELECT pg_advisory_xact_lock({lock})" for lock in locks]
-        statements.append("SET LOCAL lock_timeout TO DEFAULT")
+        statements += ["SET LOCAL lock_timeout TO DEFAULT", _BOUND_AGAIN]
         statements.append(fence)  # after the locks: ordered
         return statements
 
