@@ -217,10 +217,15 @@ async def _waited_longer_than(pool: AsyncConnectionPool[Any], seconds: float) ->
 async def test_a_wait_for_the_key_outlasts_the_connection_s_statement_timeout(
     pools: Pools,
 ) -> None:
-    # The application's connections carry a statement_timeout; a call waits for its key
-    # for longer than that. Its wait is bounded by the call's own timeout alone (none
-    # here), and its function's statements run under the application's statement_timeout.
-    pool = await pools(kwargs={"options": "-c statement_timeout=100ms"})
+    # The application's connections carry a statement_timeout, and a lock_timeout set on
+    # the session; a call waits for its key for longer than the statement_timeout. Its wait
+    # is bounded by the call's own timeout alone (none here), and its function's statements
+    # run under the application's two timeouts again.
+    async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+        await conn.execute("SET lock_timeout = '2s'")
+        await conn.commit()
+
+    pool = await pools(kwargs={"options": "-c statement_timeout=100ms"}, configure=configure)
     watcher = await pools(max_size=1)
     holding_queue = PostgresKeyedQueue(pool, namespace="bounded")
     waiting_queue = PostgresKeyedQueue(pool, namespace="bounded")  # another process's
@@ -230,18 +235,20 @@ async def test_a_wait_for_the_key_outlasts_the_connection_s_statement_timeout(
         holding.set()
         await release.wait()
 
-    async def statement_timeout() -> str:
-        cursor = await connection().execute("SELECT current_setting('statement_timeout')")
+    async def timeouts() -> tuple[str, str]:
+        cursor = await connection().execute(
+            "SELECT current_setting('statement_timeout'), current_setting('lock_timeout')"
+        )
         row = await cursor.fetchone()
         assert row is not None
-        return str(row[0])
+        return str(row[0]), str(row[1])
 
     holder = asyncio.create_task(holding_queue.run("k", hold))
     await asyncio.wait_for(holding.wait(), 10)
-    waiter = asyncio.create_task(waiting_queue.run("k", statement_timeout))
+    waiter = asyncio.create_task(waiting_queue.run("k", timeouts))
     await _waited_longer_than(watcher, 0.3)
     release.set()
-    assert await asyncio.wait_for(waiter, 10) == "100ms"
+    assert await asyncio.wait_for(waiter, 10) == ("100ms", "2s")
     await holder
     await holding_queue.aclose()
     await waiting_queue.aclose()

@@ -10,14 +10,19 @@ from ._tickets import OTHERS_WAITING, ticket_lock
 #: The first server version with ``client_connection_check_interval`` (PostgreSQL 14).
 _CHECKS_CLIENT = 140000
 _OTHERS = rendered(sql.Literal(OTHERS_WAITING))
-#: The turn keeps the connection's ``statement_timeout`` here while it waits for its locks
-#: without one, and gives it back to the function's statements after.
-_KEPT = "'keyserial.statement_timeout'"
-_UNBOUND_WAIT = [
-    f"SELECT set_config({_KEPT}, current_setting('statement_timeout'), true)",
-    "SELECT set_config('statement_timeout', '0', true)",
-]
-_BOUND_AGAIN = f"SELECT set_config('statement_timeout', current_setting({_KEPT}), true)"
+#: The timeouts a turn sets while it waits for its locks: the call's own ``lock_timeout``
+#: bounds the wait, and no ``statement_timeout`` (one the connection carries for the
+#: application's statements would end the wait as if the server had gone). The turn keeps
+#: the connection's values of both (`_KEEP`) and gives them back to the function's
+#: statements (`_GIVE_BACK`), whether they came from the server's configuration or from a
+#: ``SET`` on the session.
+_TIMEOUTS = ("lock_timeout", "statement_timeout")
+_KEEP = "SELECT " + ", ".join(
+    f"set_config('keyserial.{name}', current_setting('{name}'), true)" for name in _TIMEOUTS
+)
+_GIVE_BACK = "SELECT " + ", ".join(
+    f"set_config('{name}', current_setting('keyserial.{name}'), true)" for name in _TIMEOUTS
+)
 
 
 def milliseconds(seconds: float) -> str:
@@ -56,8 +61,8 @@ class TurnSql:
     ) -> list[str]:
         """The statements of BEGIN (if ``begin``), the turn's settings, the locks of
         ``locks`` (ascending), the fence: the last statement's row holds the fence. The
-        locks are waited for without the connection's ``statement_timeout``, which the
-        function's statements then get back.
+        locks are waited for with the call's ``lock_timeout`` and no ``statement_timeout``;
+        the function's statements get the connection's values of both back (`_TIMEOUTS`).
 
         A fair-mode ``ticket``'s try-lock comes before the keys' locks (see _early). With
         ``others_waiting`` (a direct turn), that statement runs first, the locks are taken
@@ -69,14 +74,10 @@ class TurnSql:
         that ends a pipeline, and without that timer a holder stopped before its first
         statement would keep the key for as long as it stays stopped.
         """
-        settings = [*self._settings(server_version), _set("lock_timeout", lock_timeout)]
-        statements = (
-            ["BEGIN", f"SELECT {', '.join(settings)}"] if begin else [f"SELECT {settings[-1]}"]
-        )
-        # The wait for the locks is bounded by the call's timeout (lock_timeout) alone: a
-        # statement_timeout the connection carries for the application's statements would
-        # end it as if the server had gone. The function's statements get it back.
-        statements += _UNBOUND_WAIT
+        waiting = [_set("lock_timeout", lock_timeout), _set("statement_timeout", "0")]
+        settings = [*self._settings(server_version), *waiting] if begin else waiting
+        statements = ["BEGIN", _KEEP] if begin else [_KEEP]
+        statements.append(f"SELECT {', '.join(settings)}")
         if ticket is not None:
             statements.append(
                 "SELECT pg_try_advisory_xact_lock({}, {})".format(*ticket_lock(ticket))
@@ -91,7 +92,7 @@ class TurnSql:
             fence = f"{fence}, current_setting({_OTHERS})"
         else:
             statements += [f"SELECT pg_advisory_xact_lock({lock})" for lock in locks]
-        statements += ["SET LOCAL lock_timeout TO DEFAULT", _BOUND_AGAIN]
+        statements.append(_GIVE_BACK)
         statements.append(fence)  # after the locks: ordered
         return statements
 
