@@ -168,9 +168,17 @@ class FairTickets:
             # after them): none of them may keep a turn it holds, or its call, waiting here
             # behind that earlier one, would hold the key while that one waits in Redis.
             names.insert(0, scripts.EARLIER_ELSEWHERE)
-        await self.turns.script(self.requeue_script, tickets[0].base, self.turns.lease_ms, *names)
+        since, holding = await self.turns.script(
+            self.requeue_script, tickets[0].base, self.turns.lease_ms, *names
+        )
         for ticket in tickets:
-            ticket.asked = max(ticket.asked, asked)
+            if ticket.name != text(holding):
+                # Registered again: a grant of its earlier registration, still on its way
+                # (a process stopped past its lease reads it when it resumes), is void, and
+                # its lease, measured from before this request, starts after it. The ticket
+                # that keeps its turn keeps its grant and the measure of its lease.
+                listener.registered_again(ticket.name, int(text(since)))
+                ticket.asked = max(ticket.asked, asked)
             if not (ticket.taken or ticket.withdrawn) and ticket.timer is None:
                 self._keep_alive(ticket, listener)
 

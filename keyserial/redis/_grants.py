@@ -60,6 +60,9 @@ class GrantListener:
         self.numbers = itertools.count(1)
         # ticket -> None (no grant yet), its fence (granted), or the future of its wait
         self.waiting: dict[str, int | asyncio.Future[int | None] | None] = {}
+        #: ticket -> the lowest fence a grant of it may have: one registered again takes no
+        #: grant of its earlier registration (see `registered_again`).
+        self.floors: dict[str, int] = {}
         self.ready = asyncio.get_running_loop().create_future()
         #: Asked about a grant for a ticket whose call does not wait for it yet; True: the
         #: grant is being taken back (see keyserial.redis._tickets.Sender), drop it.
@@ -85,6 +88,16 @@ class GrantListener:
     def forget(self, ticket: str) -> None:
         """The wait of ``ticket`` is over: later grants for it are dropped."""
         self.waiting.pop(ticket, None)
+        self.floors.pop(ticket, None)
+
+    def registered_again(self, ticket: str, since: int) -> None:
+        """``ticket`` was registered again when Redis's clock read ``since`` (µs): a grant
+        with a lower fence was made to its earlier registration, and is dropped, whether it
+        is kept here already or arrives later."""
+        self.floors[ticket] = since
+        fence = self.waiting.get(ticket)
+        if type(fence) is int and fence < since:
+            self.waiting[ticket] = None
 
     def _deliver(self, message: bytes | str) -> None:
         try:
@@ -99,6 +112,8 @@ class GrantListener:
         waiting = self.waiting.get(ticket, _NOT_WAITING)
         if waiting is _NOT_WAITING:
             return  # nobody waits for this ticket any more
+        if fence < self.floors.get(ticket, 0):
+            return  # a grant of a registration that was lost or taken back since
         if isinstance(waiting, asyncio.Future) and not waiting.done():
             cast("asyncio.Future[int | None]", waiting).set_result(fence)
         elif waiting is None and self.unawaited is not None and self.unawaited(ticket):

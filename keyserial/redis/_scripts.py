@@ -212,9 +212,12 @@ return 0
 #: The first ticket of a REQUEUE when the process's earliest waiting call is not among them.
 EARLIER_ELSEWHERE = "!"
 
-# ARGV: lease_ms, ticket... (one process's waiting tickets of the key, in call order) -> the
-# number registered again. Redis lost one of them (a restart, a pause past its heartbeat),
-# or granted one whose call cannot take it up (an earlier one of the process waits): all
+# ARGV: lease_ms, ticket... (one process's waiting tickets of the key, in call order) ->
+# {Redis's clock in µs, the ticket that keeps its turn or ''}: any later grant of a ticket
+# registered again has a fence at least that clock (a fence below it was granted before, to
+# the registration that was lost or taken back). Redis lost one of them (a restart, a
+# pause past its heartbeat), or granted one whose call cannot take it up (an earlier one of
+# the process waits): all
 # are taken out and put back together, in the order given, where the first of them still
 # queued stood (first if a later one holds the turn, last if none is queued), so that none
 # is granted before an earlier one. The first ticket, if it holds the turn, keeps it; a
@@ -279,6 +282,6 @@ if #tickets > 0 then
     advance(t, '', lease_ms, tickets[1])
   end
 end
-return #tickets
+return {t[1] .. string.format('%06d', tonumber(t[2])), holding or ''}
 """
 )
