@@ -129,3 +129,49 @@ async def test_a_later_calls_grant_is_passed_on_while_the_earliest_call_register
         # Also after a failure: the queue's background requests end with the test, not
         # with a later test's loop.
         await queue.aclose()
+
+
+async def test_a_grant_kept_for_a_ticket_registered_again_is_not_taken_up(
+    clients: Clients,
+) -> None:
+    # A process stopped past its lease reads, when it resumes, the grant Redis made to one of
+    # its tickets meanwhile, and finds the ticket lost (the lease ran out; the turn went on):
+    # it registers the ticket again, under its name. The grant it kept is of the earlier
+    # registration: taken up, the call's function would start on a lease that ran out, while
+    # another call holds the key. Here: b holds "k"; a's ticket waits; a grant with a fence
+    # below any Redis makes now is kept for it; the ticket is registered again. Taking it up
+    # must wait for a grant of the new registration (b still holds: the wait times out).
+    a = RedisKeyedQueue(clients(), namespace="t", lease=10.0, fair=True)
+    b = RedisKeyedQueue(clients(), namespace="t", lease=10.0, fair=True)
+    notes = TurnNotes()
+    holder = asyncio.create_task(b.run("k", notes.hold))
+    await notes.until_holding()
+    await a.run("warm-up", asyncio.sleep, 0)  # its grant listener is subscribed
+    tickets = a._tickets  # pyright: ignore[reportPrivateUsage]
+    assert tickets is not None
+    listener = next(iter(a._turns.listeners.values()))  # pyright: ignore[reportPrivateUsage]
+    encoded = encode_key("k")
+    ticket = tickets.register(encoded)
+    await until(lambda: ticket.reply.done(), "the ticket is registered")
+    assert ticket.reply.result() == ""  # it waits behind b's turn
+    listener.grant(ticket.name, 1)  # kept: its call does not wait for it yet
+    assert listener.waiting[ticket.name] == 1
+    loop = asyncio.get_running_loop()
+    sender = tickets.senders[(loop, ticket.base)]
+    tickets._lost_early(ticket)  # pyright: ignore[reportPrivateUsage]
+    await until(lambda: not sender.running, "the ticket is registered again")
+
+    async def take_up() -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        turn, keeper = await tickets.take_early(ticket, encoded, loop.time() + 0.5, task)
+        await a._turns.give_back(encoded, turn, keeper, task)  # pyright: ignore[reportPrivateUsage]
+        return turn.fence
+
+    taken = (await asyncio.gather(take_up(), return_exceptions=True))[0]
+    notes.release.set()
+    assert isinstance(taken, TimeoutError), f"took up a grant made before: fence {taken}"
+    await holder
+    assert await a.run("k", notes.note, "a") is None  # the key moves on
+    await a.aclose()
+    await b.aclose()
