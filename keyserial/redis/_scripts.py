@@ -217,13 +217,13 @@ EARLIER_ELSEWHERE = "!"
 # registered again has a fence at least that clock (a fence below it was granted before, to
 # the registration that was lost or taken back). Redis lost one of them (a restart, a
 # pause past its heartbeat), or granted one whose call cannot take it up (an earlier one of
-# the process waits): all
-# are taken out and put back together, in the order given, where the first of them still
-# queued stood (first if a later one holds the turn, last if none is queued), so that none
-# is granted before an earlier one. The first ticket, if it holds the turn, keeps it; a
-# ticket withdrawn meanwhile is left out. The first ticket may be EARLIER_ELSEWHERE: an
-# earlier call of the process waits under a ticket not given (registered on its own, or still
-# to be sent): then none given keeps the turn, and they are put back last if none is queued.
+# the process waits): all are taken out and put back together, in the order given, where
+# the first of them still queued stood (first if a later one holds the turn, last if none is
+# queued), so that none is granted before an earlier one. The first ticket, if it holds the
+# turn, keeps it; a ticket withdrawn meanwhile is left out. The first ticket may be
+# EARLIER_ELSEWHERE: an earlier call of the process waits under a ticket not given
+# (registered on its own, or still to be sent): then none given keeps the turn, and they
+# are put back last if none is queued.
 REQUEUE = (
     _GRANT
     + """
