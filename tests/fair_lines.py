@@ -68,6 +68,27 @@ async def until_waiting_in_server(pool: AsyncConnectionPool[Any], count: int) ->
     await _until(pool, waiting_in_server, count, "transactions waiting in the server's queue")
 
 
+async def _lock_waits_older_than(pool: AsyncConnectionPool[Any], seconds: float) -> int:
+    """Statements of the test's database that have waited for a lock for longer than
+    ``seconds`` (the server's clock)."""
+    async with pool.connection() as conn:
+        cursor = await conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' "
+            "AND clock_timestamp() - query_start > make_interval(secs => %s)",
+            (seconds,),
+        )
+        row = await cursor.fetchone()
+        return 0 if row is None else int(row[0])
+
+
+async def until_a_lock_wait_older_than(pool: AsyncConnectionPool[Any], seconds: float) -> None:
+    """Wait until one statement has waited for a lock for longer than ``seconds``; fail
+    after ten seconds."""
+    ask = functools.partial(_lock_waits_older_than, seconds=seconds)
+    await _until(pool, ask, 1, f"statements waiting for a lock for over {seconds} s")
+
+
 async def words_of_a_give_back(
     postgres_dsn: str, line: str, stopped: str = ""
 ) -> tuple[dict[str, list[str]], list[tuple[Any, ...]]]:

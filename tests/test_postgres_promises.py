@@ -16,7 +16,7 @@ from keyserial import current_fence
 from keyserial.postgres import PostgresKeyedQueue, TurnRolledBack, connection
 
 from .conftest import Pools
-from .fair_lines import ticket_count, until_tickets
+from .fair_lines import ticket_count, until_a_lock_wait_older_than, until_tickets
 from .redis_helpers import until
 from .test_postgres_faults import holding
 
@@ -196,24 +196,6 @@ async def test_a_serialization_failure_reaches_the_caller_as_the_server_s_error(
     await queue.aclose()
 
 
-async def _waited_longer_than(pool: AsyncConnectionPool[Any], seconds: float) -> None:
-    """Wait until a statement of the test's database has waited for a lock for longer than
-    ``seconds`` (the server's clock); fail after ten seconds."""
-    for _ in range(1000):
-        async with pool.connection() as conn:
-            cursor = await conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND wait_event_type = 'Lock' "
-                "AND clock_timestamp() - query_start > make_interval(secs => %s)",
-                (seconds,),
-            )
-            row = await cursor.fetchone()
-        if row is not None and row[0]:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"no statement waited for a lock for {seconds} s")
-
-
 async def test_a_wait_for_the_key_outlasts_the_connection_s_statement_timeout(
     pools: Pools,
 ) -> None:
@@ -246,7 +228,7 @@ async def test_a_wait_for_the_key_outlasts_the_connection_s_statement_timeout(
     holder = asyncio.create_task(holding_queue.run("k", hold))
     await asyncio.wait_for(holding.wait(), 10)
     waiter = asyncio.create_task(waiting_queue.run("k", timeouts))
-    await _waited_longer_than(watcher, 0.3)
+    await until_a_lock_wait_older_than(watcher, 0.3)
     release.set()
     assert await asyncio.wait_for(waiter, 10) == ("100ms", "2s")
     await holder

@@ -76,8 +76,7 @@ from psycopg_pool import AsyncConnectionPool
 from .._background import Background
 from ._desk import EarlyTurn, TicketDesk
 from ._errors import naming
-from ._statements import TurnSql
-from ._tickets import UNBOUNDED
+from ._statements import UNBOUNDED, TurnSql
 from ._turn import PgTurn
 
 Task = asyncio.Task[Any]

@@ -36,6 +36,14 @@ def _set(name: str, value: str) -> str:
     return f"set_config('{name}', '{value}', true)"
 
 
+#: The first statement of a ticket's commit: the give-back after the function's statements
+#: waits for its line's registration lock (see `TicketSql.registering`) and for its rows,
+#: held only by this package's short statements. A ``lock_timeout`` or ``statement_timeout``
+#: that the function set for the rest of its transaction must not end that wait: the commit
+#: would fail, and the function's writes with it.
+UNBOUNDED = f"SELECT {_set('lock_timeout', '0')}, {_set('statement_timeout', '0')}"
+
+
 class TurnSql:
     """The statements that begin the turns of one queue: its fence sequence and lease."""
 

@@ -32,16 +32,6 @@ _LOW64 = (1 << 64) - 1
 OTHERS_WAITING = "keyserial.others_waiting"
 
 
-#: The first statement of a ticket's commit: the give-back after the function's statements
-#: waits for its line's registration lock (see `TicketSql.registering`) and for its rows,
-#: held only by this package's short statements. A ``lock_timeout`` or ``statement_timeout``
-#: that the function set for the rest of its transaction must not end that wait: the commit
-#: would fail, and the function's writes with it.
-UNBOUNDED = (
-    "SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)"
-)
-
-
 def ticket_lock(ticket: int) -> tuple[int, int]:
     """The two-int advisory try-lock that marks a ticket's transaction in ``pg_locks``.
 

@@ -171,13 +171,14 @@ class FairTickets:
         since, holding = await self.turns.script(
             self.requeue_script, tickets[0].base, self.turns.lease_ms, *names
         )
+        since_us, kept = int(text(since)), text(holding)
         for ticket in tickets:
-            if ticket.name != text(holding):
+            if ticket.name != kept:
                 # Registered again: a grant of its earlier registration, still on its way
                 # (a process stopped past its lease reads it when it resumes), is void, and
                 # its lease, measured from before this request, starts after it. The ticket
                 # that keeps its turn keeps its grant and the measure of its lease.
-                listener.registered_again(ticket.name, int(text(since)))
+                listener.registered_again(ticket.name, since_us)
                 ticket.asked = max(ticket.asked, asked)
             if not (ticket.taken or ticket.withdrawn) and ticket.timer is None:
                 self._keep_alive(ticket, listener)
