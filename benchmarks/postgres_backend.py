@@ -301,6 +301,14 @@ def _milliseconds(seconds: float | None) -> str:
     return "" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
+def _busy_share(rate: float, cpu_per_turn: float | None) -> str:
+    """The share of the machine's CPUs busy while turns ran at ``rate`` per second, each
+    costing ``cpu_per_turn`` seconds of CPU time; empty where that was not measured."""
+    if cpu_per_turn is None:
+        return ""
+    return f"{rate * cpu_per_turn / (os.cpu_count() or 1):.0%}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.postgres_backend")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for CI smoke runs")
@@ -354,6 +362,7 @@ def main() -> int:
     throughput = {library: _median_rate(runs) for library, runs in rates.items()}
     queued = {place: _median_rate(runs) for place, runs in queued_rates.items()}
     cpu = {library: _median_cpu(runs) for library, runs in rates.items()}
+    queued_cpu = {place: _median_cpu(runs) for place, runs in queued_rates.items()}
     elsewhere = _median_rate(elsewhere_rates)
     rows = {
         "uncontended µs/call": {n: f"{latency[n] * 1e6:,.0f}" for n in LIBRARIES},
@@ -369,6 +378,12 @@ def main() -> int:
             n: f"{elsewhere:,.0f}" if n == LIBRARIES[1] else "" for n in LIBRARIES
         },
         "machine CPU ms per hand-off turn": {n: _milliseconds(cpu[n]) for n in LIBRARIES},
+        **{
+            f"machine CPU ms per turn, {depth} calls queued per process": {
+                n: _milliseconds(queued_cpu[depth, n]) if n in POSTGRES else "" for n in LIBRARIES
+            }
+            for depth in QUEUED
+        },
         "connections per waiting call": {
             LIBRARIES[0]: "one per key and process",
             LIBRARIES[1]: "a process's only call: one per key; tickets: none",
@@ -389,6 +404,11 @@ def main() -> int:
     }
     ratios = " and ".join(
         f"{queued[depth, LIBRARIES[1]] / queued[depth, LIBRARIES[0]]:.2f} with {depth}"
+        for depth in QUEUED
+    )
+    busy = " and ".join(
+        f"{_busy_share(queued[depth, LIBRARIES[0]], queued_cpu[depth, LIBRARIES[0]])} and "
+        f"{_busy_share(queued[depth, LIBRARIES[1]], queued_cpu[depth, LIBRARIES[1]])} with {depth}"
         for depth in QUEUED
     )
     lines = [
@@ -416,7 +436,8 @@ def main() -> int:
         "tickets, and take the key in runs of one process's calls as long as its queue). "
         "Machine CPU per hand-off turn: the busy time of every CPU (all "
         "processes and the server; from /proc/stat) from the first turn to the last of the "
-        "one-call runs, per turn. "
+        "runs, per turn. Share of the machine's CPUs kept busy in the queued runs, default "
+        f"and fair mode: {busy}. "
         f"With {ELSEWHERE:,} calls waiting on other keys: the tickets of another process's "
         "waiting calls, one per key, written into the ticket table for that run; fair mode ÷ "
         f"itself without them: {elsewhere / throughput[LIBRARIES[1]]:.2f}.",
