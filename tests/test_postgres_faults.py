@@ -32,6 +32,7 @@ from keyserial.postgres import (
 )
 
 from .conftest import Pools
+from .fair_lines import until_waiting_in_server
 from .redis_helpers import until
 from .test_postgres_processes import ROOT, Holder
 
@@ -261,6 +262,38 @@ async def test_cancelling_a_waiting_call_twice_leaves_no_session_waiting_on_the_
             assert await _waiting_on_locks(postgres_dsn, application) == 0
             for queue in queues:
                 await queue.aclose()
+        stats = pool.get_stats()
+        assert stats["pool_size"] == stats["pool_available"]
+
+
+async def test_a_wait_an_operator_cancels_reaches_the_caller_as_the_server_s_error(
+    postgres_dsn: str,
+) -> None:
+    # An operator cancels a turn's wait for its lock (pg_cancel_backend): the server is
+    # reachable and said why; the caller gets that, not "unreachable", and holds nothing.
+    application = f"keyserial-{secrets.token_hex(4)}"
+    dsn = make_conninfo(postgres_dsn, application_name=application)
+    async with AsyncConnectionPool(dsn, min_size=2, max_size=4, open=False) as pool:
+        await pool.open(wait=True)
+        holder_queue = PostgresKeyedQueue(pool, namespace="cancelled")
+        waiter_queue = PostgresKeyedQueue(pool, namespace="cancelled")  # another process
+        async with holding(holder_queue, "k"):
+            waiter = asyncio.create_task(waiter_queue.run("k", nothing))
+            await until_waiting_in_server(pool, 1)
+            async with await psycopg.AsyncConnection.connect(
+                postgres_dsn, autocommit=True
+            ) as admin:
+                await admin.execute(
+                    "SELECT pg_cancel_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = %s AND wait_event_type = 'Lock'",
+                    (application,),
+                )
+            with pytest.raises(psycopg.errors.QueryCanceled, match="user request"):
+                await waiter
+        # Nothing of the cancelled wait is left: the key passes on, and the pool is whole.
+        assert await waiter_queue.run("k", lambda: asyncio.sleep(0, "ran")) == "ran"
+        await holder_queue.aclose()
+        await waiter_queue.aclose()
         stats = pool.get_stats()
         assert stats["pool_size"] == stats["pool_available"]
 

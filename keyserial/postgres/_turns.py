@@ -159,6 +159,8 @@ class PostgresTurns:
             PoolExhausted: no connection of the pool came free within the pool's timeout.
             DeadlockError: PostgreSQL's deadlock detector chose this wait.
             PostgresUnavailable: the server could not be reached, or the connection broke.
+            psycopg.Error: the server's own error, the connection still working (an
+                operator cancelled the wait, for one); nothing is held.
         """
         attempts = self.pool.max_size + 1
         for attempt in range(1, attempts + 1):
@@ -176,8 +178,8 @@ class PostgresTurns:
                 await self._discard(connection)
                 if attempt < attempts and connection.broken:
                     continue  # it holds nothing: its session ended, maybe before it was lent
-                if isinstance(exc, PostgresUnavailable):
-                    raise
+                if isinstance(exc, PostgresUnavailable) or not connection.broken:
+                    raise  # not broken: the server's own error (see `_wait_error`)
                 raise PostgresUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
             except BaseException:
                 await self._discard(connection)
@@ -296,7 +298,7 @@ class PostgresTurns:
             )
             last = await _cancelled_once(_last_row(connection, query(statements)))
         except psycopg.Error as exc:
-            error = _wait_error(exc, keys)
+            error = _wait_error(exc, keys, connection)
             if error is exc:
                 raise
             raise error from exc
@@ -495,8 +497,15 @@ async def _unreachable(pool: AsyncConnectionPool[Any]) -> str | None:
     return None
 
 
-def _wait_error(exc: psycopg.Error, keys: Mapping[int, Hashable]) -> BaseException:
-    """What a turn reports when the statements that wait for its locks failed with ``exc``."""
+def _wait_error(
+    exc: psycopg.Error, keys: Mapping[int, Hashable], connection: AsyncConnection[Any]
+) -> BaseException:
+    """What a turn reports when the statements that wait for its locks, on ``connection``,
+    failed with ``exc``.
+
+    A failure that left the connection working is the server's own word (an operator
+    cancelled the wait, say), reported as it is: the server is reachable.
+    """
     if isinstance(exc, psycopg.errors.LockNotAvailable):  # its lock_timeout: the deadline
         return TimeoutError(f"timed out waiting for the turn of {naming(keys)}")
     if isinstance(exc, psycopg.errors.DeadlockDetected):
@@ -506,7 +515,9 @@ def _wait_error(exc: psycopg.Error, keys: Mapping[int, Hashable]) -> BaseExcepti
             keys=list(keys.values()),
             tasks=[],
         )
-    if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+    if isinstance(exc, psycopg.InterfaceError) or (
+        isinstance(exc, psycopg.OperationalError) and connection.broken
+    ):
         return PostgresUnavailable(f"PostgreSQL is unreachable: {exc}")
     return exc
 
