@@ -14,7 +14,8 @@ partial longest), then writes it. Five ways to run the workers:
   a few segments still end stale;
 * ``@serialized, fair``: the same with ``fair=True``: every call waits in the database
   from when it is made (in the server's queue, or with a ticket), so the updates run in
-  the order they were sent: no stale rows, nothing refused, no check needed;
+  the order they were sent: no stale rows, nothing refused, no check needed (on a machine
+  that schedules the workers on time: the order is the one the calls reached the server);
 * ``@serialized + check``: the default mode with the check as belt and braces: no stale
   rows, and only the few overtaken writes refused.
 
