@@ -221,6 +221,19 @@ async def holding(queue: PostgresKeyedQueue, key: str) -> AsyncGenerator[None, N
         await holder
 
 
+@contextlib.asynccontextmanager
+async def _named_pool(
+    postgres_dsn: str, size: int
+) -> AsyncIterator[tuple[AsyncConnectionPool[Any], str]]:
+    """An open pool of ``size`` connections whose sessions carry an application name of their
+    own (to find them in ``pg_stat_activity``), and that name."""
+    application = f"keyserial-{secrets.token_hex(4)}"
+    dsn = make_conninfo(postgres_dsn, application_name=application)
+    async with AsyncConnectionPool(dsn, min_size=size, max_size=size, open=False) as pool:
+        await pool.open(wait=True)
+        yield pool, application
+
+
 async def _waiting_on_locks(dsn: str, application: str) -> int:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         cursor = await conn.execute(
@@ -235,10 +248,7 @@ async def _waiting_on_locks(dsn: str, application: str) -> int:
 async def test_cancelling_a_waiting_call_twice_leaves_no_session_waiting_on_the_server(
     postgres_dsn: str,
 ) -> None:
-    application = f"keyserial-{secrets.token_hex(4)}"
-    dsn = make_conninfo(postgres_dsn, application_name=application)
-    async with AsyncConnectionPool(dsn, min_size=9, max_size=9, open=False) as pool:
-        await pool.open(wait=True)
+    async with _named_pool(postgres_dsn, 9) as (pool, application):
         async with holding(PostgresKeyedQueue(pool, namespace="c"), "k"):
             # Separate queues: each is a process of its own, each with a wait on the server
             # (in fair mode too: each is its process's only call on the key, and finds an
@@ -271,10 +281,7 @@ async def test_a_wait_an_operator_cancels_reaches_the_caller_as_the_server_s_err
 ) -> None:
     # An operator cancels a turn's wait for its lock (pg_cancel_backend): the server is
     # reachable and said why; the caller gets that, not "unreachable", and holds nothing.
-    application = f"keyserial-{secrets.token_hex(4)}"
-    dsn = make_conninfo(postgres_dsn, application_name=application)
-    async with AsyncConnectionPool(dsn, min_size=2, max_size=4, open=False) as pool:
-        await pool.open(wait=True)
+    async with _named_pool(postgres_dsn, 4) as (pool, application):
         holder_queue = PostgresKeyedQueue(pool, namespace="cancelled")
         waiter_queue = PostgresKeyedQueue(pool, namespace="cancelled")  # another process
         async with holding(holder_queue, "k"):
