@@ -198,6 +198,9 @@ class PostgresKeyedQueue:
             DeadlockError: PostgreSQL broke a cycle of turns waiting for each other.
             RuntimeError: the pool is not open (open it before the first call).
             QueueClosed, QueueFull: as for [KeyedSerialQueue][keyserial.KeyedSerialQueue].
+            psycopg.Error: the server's own error, from the function's statements or from
+                its commit, or while the turn waited for its locks on a connection that
+                still works (an operator cancelled the wait); nothing of the turn was kept.
         """
         check_function(fn, "run")
         return self._call(key, fn, args, kwargs, None, None)
