@@ -224,7 +224,7 @@ async def holding(queue: PostgresKeyedQueue, key: str) -> AsyncGenerator[None, N
 @contextlib.asynccontextmanager
 async def _named_pool(
     postgres_dsn: str, size: int
-) -> AsyncIterator[tuple[AsyncConnectionPool[Any], str]]:
+) -> AsyncGenerator[tuple[AsyncConnectionPool[Any], str], None]:
     """An open pool of ``size`` connections whose sessions carry an application name of their
     own (to find them in ``pg_stat_activity``), and that name."""
     application = f"keyserial-{secrets.token_hex(4)}"
