@@ -3,9 +3,10 @@ made one at a time and in bursts: the checks of tests/fault_load.py (every call 
 its function runs once, no function starts on a lease that ran out, no call is left waiting, the
 key passes on within 1.5 leases, order in fair mode).
 
-Run with the Redis fault suite, on its own (see tests/test_redis_fault_suite.py):
+Run with the Redis fault suite, on its own, one case per CPU at most (see
+tests/test_redis_fault_suite.py):
 
-    python -m pytest -m fault_suite tests/test_postgres_fault_suite.py
+    python -m pytest -m fault_suite -n "$(nproc)" tests/test_postgres_fault_suite.py
 """
 
 from __future__ import annotations

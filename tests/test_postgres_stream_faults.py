@@ -1,8 +1,9 @@
 """KeyedStream on PostgreSQL under faults, with real consumer processes and a real server:
 every message's effect applied exactly once, in per-key order, none lost (the checks of
-tests/postgres_stream_faults.py). Run with the other fault suites, on its own:
+tests/postgres_stream_faults.py). Run with the other fault suites, on its own, one case per
+CPU at most:
 
-    python -m pytest -m fault_suite tests/test_postgres_stream_faults.py
+    python -m pytest -m fault_suite -n "$(nproc)" tests/test_postgres_stream_faults.py
 """
 
 from __future__ import annotations
