@@ -22,27 +22,33 @@ from .redis_helpers import until
 from .turn_notes import TurnNotes
 
 
+async def _count(cursor: psycopg.AsyncCursor[Any]) -> int:
+    """The number the ``SELECT count(...)`` that gave ``cursor`` counted."""
+    row = await cursor.fetchone()
+    return 0 if row is None else int(row[0])
+
+
 async def ticket_count(pool: AsyncConnectionPool[Any]) -> int:
     """How many calls hold a ticket (rows of distinct tickets in the ticket table)."""
     async with pool.connection() as conn:
         cursor = await conn.execute("SELECT to_regclass('keyserial_fences_tq') IS NOT NULL")
         if not (await cursor.fetchall())[0][0]:
             return 0  # made by the first call's process, maybe not yet
-        cursor = await conn.execute("SELECT count(DISTINCT ticket) FROM keyserial_fences_tq")
-        row = await cursor.fetchone()
-        return 0 if row is None else int(row[0])
+        return await _count(
+            await conn.execute("SELECT count(DISTINCT ticket) FROM keyserial_fences_tq")
+        )
 
 
 async def waiting_in_server(pool: AsyncConnectionPool[Any]) -> int:
     """Transactions of the test's database waiting in the server's queue for a key's lock."""
     async with pool.connection() as conn:
-        cursor = await conn.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 "
-            "AND NOT granted "
-            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        return await _count(
+            await conn.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 "
+                "AND NOT granted "
+                "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            )
         )
-        row = await cursor.fetchone()
-        return 0 if row is None else int(row[0])
 
 
 async def _until(
@@ -72,14 +78,14 @@ async def _lock_waits_older_than(pool: AsyncConnectionPool[Any], seconds: float)
     """Statements of the test's database that have waited for a lock for longer than
     ``seconds`` (the server's clock)."""
     async with pool.connection() as conn:
-        cursor = await conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND wait_event_type = 'Lock' "
-            "AND clock_timestamp() - query_start > make_interval(secs => %s)",
-            (seconds,),
+        return await _count(
+            await conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' "
+                "AND clock_timestamp() - query_start > make_interval(secs => %s)",
+                (seconds,),
+            )
         )
-        row = await cursor.fetchone()
-        return 0 if row is None else int(row[0])
 
 
 async def until_a_lock_wait_older_than(pool: AsyncConnectionPool[Any], seconds: float) -> None:
