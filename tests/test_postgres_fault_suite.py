@@ -3,10 +3,11 @@ made one at a time and in bursts: the checks of tests/fault_load.py (every call 
 its function runs once, no function starts on a lease that ran out, no call is left waiting, the
 key passes on within 1.5 leases, order in fair mode).
 
-Run with the Redis fault suite, on its own, one case per CPU at most (see
-tests/test_redis_fault_suite.py):
+Run as the Redis fault suite is, on its own and one case at a time (see
+tests/test_redis_fault_suite.py; on a machine of 2 CPUs, at two at once, a key once stood idle
+past 1.5 leases, fair mode, a waiting process paused):
 
-    python -m pytest -m fault_suite -n "$(nproc)" tests/test_postgres_fault_suite.py
+    python -m pytest -m fault_suite -n 0 tests/test_postgres_fault_suite.py
 """
 
 from __future__ import annotations
