@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.fault_suite, pytest.mark.xdist_group("postgres-connect
 MODES = pytest.mark.parametrize("fair", [False, True], ids=["default", "fair"])
 LOADS = fault_load.LOADS
 #: Seconds the terminated-connections fault lasts past its backends' exit (a fifth of a
-#: lease): for a worker to read a last answer such a backend sent (see that case).
+#: lease): for a worker that read a last answer such a backend sent to log its function's
+#: start (see that case).
 LAST_ANSWERS = fault_load.LEASE / 5
 
 
@@ -90,8 +91,10 @@ def test_terminated_connections(postgres_dsn: str, tmp_path: Path, fair: bool, b
                 "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
                 " WHERE datname = current_database() AND pid <> pg_backend_pid()"
             )
-        # The fault lasts until its workers have read such last answers: a turn begun on one
-        # starts its function a moment after the backend is gone, and its commit is in doubt.
+        # The fault lasts until its workers have acted on such last answers: a turn that read
+        # one before its backend was gone may log its function's start a moment after (its
+        # commit is then in doubt); one that reads it later finds the session ended and
+        # begins again.
         time.sleep(LAST_ANSWERS)
         return began
 

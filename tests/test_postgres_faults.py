@@ -10,6 +10,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -303,6 +304,61 @@ async def test_a_wait_an_operator_cancels_reaches_the_caller_as_the_server_s_err
         await waiter_queue.aclose()
         stats = pool.get_stats()
         assert stats["pool_size"] == stats["pool_available"]
+
+
+async def test_a_turn_whose_session_ends_right_after_its_grant_begins_again(
+    postgres_dsn: str,
+) -> None:
+    # A waiting turn is granted its key, and right after the server answered, an operator
+    # ends its session (pg_terminate_backend): the key is free for the next caller. The
+    # process reads the grant only then (it was held back: here, its event loop is blocked
+    # meanwhile), well within the lease. Its function must not start on that ended session:
+    # the turn begins again, on a live one, and the call succeeds.
+    async with _named_pool(postgres_dsn, 3) as (pool, application):
+        queue = PostgresKeyedQueue(pool, namespace="ended", lease=30)
+        sessions: list[int] = []
+
+        async def work() -> str:
+            sessions.append(connection().info.backend_pid)
+            return "ran"
+
+        with psycopg.connect(postgres_dsn) as holder:  # another process holds the key
+            holder.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id("ended", "k"),))
+            waiter = asyncio.create_task(queue.run("k", work))
+            await until_waiting_in_server(pool, 1)
+            # From here until the waiter reads its grant, this process is held back (the
+            # event loop is blocked).
+            holder.commit()
+            with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+                granted = _granted_and_answered(admin, application)
+                admin.execute("SELECT pg_terminate_backend(%s, 5000)", (granted,))
+        assert await waiter == "ran"
+        assert sessions and granted not in sessions, "the function ran on the ended session"
+        assert len(sessions) == 1
+        await queue.aclose()
+
+        def whole() -> bool:  # the ended session's connection was replaced, no other lent
+            stats = pool.get_stats()
+            return stats["pool_size"] == stats["pool_available"] == 3
+
+        await until(whole, "every connection of the pool back and idle")
+
+
+def _granted_and_answered(admin: psycopg.Connection[Any], application: str) -> int:
+    """The pid of the session of ``application`` that holds an advisory lock and has sent its
+    reply (it waits for the client's next command, idle in its transaction). Blocking: the
+    caller's event loop does not run meanwhile."""
+    for _ in range(1000):
+        row = admin.execute(
+            "SELECT a.pid FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid "
+            "WHERE a.application_name = %s AND l.locktype = 'advisory' AND l.granted "
+            "AND a.state = 'idle in transaction' AND a.wait_event = 'ClientRead'",
+            (application,),
+        ).fetchone()
+        if row is not None:
+            return int(row[0])
+        time.sleep(0.01)
+    raise AssertionError("the waiting session was never granted its key")
 
 
 async def test_an_exhausted_pool_is_reported_as_such(pools: Pools) -> None:

@@ -438,23 +438,31 @@ class PostgresTurns:
         the server's queue), and the reply may reach a process that was paused since: by the
         local measure, the server may have ended the idle session meanwhile, and the next
         caller may hold the key. So a turn with less than two thirds of its lease left by
-        that measure sends ``SELECT 1`` first, which also restarts the server's idle timer;
-        a session the server ended is given up and the turn begun again, without an error.
-        Its function never starts on a lease that may have run out.
+        that measure sends ``SELECT 1`` first, which also restarts the server's idle timer.
+        A turn with more left reads what has already arrived after the reply, without
+        waiting: a session the server ended right after it answered (an operator's
+        ``pg_terminate_backend``, a server shutting down) has sent its last word and closed,
+        and its locks are free for the next caller. Either way, a session the server ended
+        is given up and the turn begun again, without an error. Its function never starts on
+        a lease that may have run out, nor on a session already known to be gone.
         """
-        while loop.time() - since >= self.lease / 3:
-            asked = loop.time()
-            try:
-                await _cancelled_once(turn.connection.execute("SELECT 1"))
-            except BaseException as exc:
-                await self._discard(turn.connection)
-                if not isinstance(exc, psycopg.Error):
-                    raise
-                since = loop.time()
-                turn = await self.begin(keys, deadline, loop)
-                continue
-            since = asked
-        return turn, since
+        while True:
+            if loop.time() - since < self.lease / 3:
+                if not _ended_already(turn.connection):
+                    return turn, since
+            else:
+                asked = loop.time()
+                try:
+                    await _cancelled_once(turn.connection.execute("SELECT 1"))
+                    since = asked  # measured again: its reply may have come late too
+                    continue
+                except BaseException as exc:
+                    if not isinstance(exc, psycopg.Error):  # else the session is gone
+                        await self._discard(turn.connection)
+                        raise
+            await self._discard(turn.connection)
+            since = loop.time()
+            turn = await self.begin(keys, deadline, loop)
 
     async def leave(
         self,
@@ -481,6 +489,19 @@ class PostgresTurns:
             await self.rollback(turn)
         else:
             await self.commit(turn, stalled=stalled, early=early)
+
+
+def _ended_already(connection: AsyncConnection[Any]) -> bool:
+    """Whether the server has ended ``connection``'s session, as far as what has already
+    arrived tells: it reads without waiting (the session is idle in its transaction, so no
+    reply is due)."""
+    if connection.broken:
+        return True
+    try:
+        connection.pgconn.consume_input()  # a closed session: its FATAL, then end of stream
+    except psycopg.OperationalError:
+        return True
+    return connection.broken
 
 
 async def _unreachable(pool: AsyncConnectionPool[Any]) -> str | None:
