@@ -302,14 +302,17 @@ def check(
         for before, after in pairwise(ordered):
             if before.outcome == "ok":
                 assert before.ended is not None and before.ended <= after.started, (
-                    f"two turns of {key} overlapped: a function started on a lease that ran out"
+                    f"two turns of {key} overlapped: a function started on a lease that ran "
+                    f"out\n{timeline(ordered, after.started, fault)}"
                 )
             if before.ended is not None or before.started < began:
                 idle_from = max(before.ended or began, after.made)
                 if idle_from < ended and after.started > began:
                     idle_from = max(idle_from, ended)  # idle across the fault: from its end
                 gap = after.started - idle_from
-                assert gap <= 1.5 * lease_ns, f"{key} stood idle {gap / 1e9:.2f} s"
+                assert gap <= 1.5 * lease_ns, (
+                    f"{key} stood idle {gap / 1e9:.2f} s\n{timeline(ordered, after.started, fault)}"
+                )
         mine: dict[int, list[Turn]] = defaultdict(list)
         for turn in ordered:
             if turn.outcome != "unavailable":
@@ -327,5 +330,23 @@ def check(
                             f"{key}: a call overtook: made {(later.made - ended) / 1e6:.0f} ms "
                             f"after the fault by {later.pid}, it started "
                             f"{(turn.started - later.started) / 1e6:.0f} ms before one made "
-                            f"{(later.made - turn.made) / 1e6:.0f} ms earlier by {turn.pid}"
+                            f"{(later.made - turn.made) / 1e6:.0f} ms earlier by {turn.pid}\n"
+                            f"{timeline(ordered, later.started, fault)}"
                         )
+
+
+def timeline(turns: list[Turn], at: int, fault: tuple[int, int], span_ns: int = 10**9) -> str:
+    """The turns of one key that started within ``span_ns`` of ``at``, one per line, in ms
+    from the fault's beginning: what a failed timing check saw."""
+    began, ended = fault
+
+    def ms(ns: int | None) -> str:
+        return "-" if ns is None else f"{(ns - began) / 1e6:.0f}"
+
+    lines = [f"fault: 0 to {ms(ended)} ms; call/attempt pid made started ended outcome:"]
+    lines += [
+        f"  {t.call}/{t.attempt} {t.pid} {ms(t.made)} {ms(t.started)} {ms(t.ended)} {t.outcome}"
+        for t in turns
+        if abs(t.started - at) <= span_ns
+    ]
+    return "\n".join(lines)
