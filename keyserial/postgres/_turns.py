@@ -501,7 +501,7 @@ def _ended_already(connection: AsyncConnection[Any]) -> bool:
         connection.pgconn.consume_input()  # a closed session: its FATAL, then end of stream
     except psycopg.OperationalError:
         return True
-    return connection.broken
+    return False
 
 
 async def _unreachable(pool: AsyncConnectionPool[Any]) -> str | None:
